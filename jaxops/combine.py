@@ -1,0 +1,74 @@
+"""Shard statistics -> log-prob and entropy, in plain differentiable JAX on `[T]` arrays.
+
+With `axis_name` set this runs inside `shard_map` over the vocabulary axis and
+uses exactly two O(T) collectives: one `pmax` of the (stop-gradient) row maxima
+and one `psum` of the stacked rescaled sums (SPEC §3). JAX transposes the psum
+itself, which is what keeps gradients right under both `check_vma` settings:
+no collective in the backward with `check_vma=True`, one O(T) psum with
+`check_vma=False` (where JAX divides a replicated output's cotangent by the
+shard count, and the psum's transpose restores it).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxops.stats import LocalStats
+
+
+def _rescale(row_max, global_max):
+    """exp(m_r - M) and m_r - M, with shards that hold nothing (m_r = -inf) giving 0."""
+    present = jnp.isfinite(row_max)
+    delta = jnp.where(present, row_max - global_max, 0.0)
+    return jnp.where(present, jnp.exp(delta), 0.0), delta
+
+
+def combine(
+    stats: LocalStats,
+    targets_valid: jax.Array,  # [T] bool: 0 <= target < V (global)
+    *,
+    entropy_grad: bool = True,
+    axis_name=None,
+) -> tuple[jax.Array, jax.Array | None]:
+    """Combine per-shard statistics into (log_prob [T], entropy [T] or None)."""
+    masked = stats.masked_max is not None
+    with_entropy = stats.sum_exp_shifted is not None
+
+    maxima = [stats.max_logit] + ([stats.masked_max] if masked else [])
+    maxima = lax.stop_gradient(jnp.stack(maxima))
+    global_maxima = maxima if axis_name is None else lax.pmax(maxima, axis_name)
+    global_max = global_maxima[0]
+    weight, delta = _rescale(maxima[0], global_max)
+
+    # Everything that is summed over shards travels in one psum.
+    terms = [weight * stats.sum_exp, stats.target_logit]
+    if with_entropy:
+        shifted = stats.sum_exp_shifted
+        if not entropy_grad:
+            shifted = lax.stop_gradient(shifted)
+        # sum_j exp(x_j - M) (x_j - M) of this shard, from its stats relative to m_r.
+        terms.append(weight * (shifted + delta * stats.sum_exp))
+    if masked:
+        masked_weight, _ = _rescale(maxima[1], global_maxima[1])
+        terms.append(masked_weight * stats.masked_sum_exp)
+    sums = jnp.stack(terms)
+    if axis_name is not None:
+        sums = lax.psum(sums, axis_name)
+
+    sum_exp, target_logit = sums[0], sums[1]
+    log_sum_exp = jnp.log(sum_exp)
+    if masked:
+        normaliser = global_maxima[1] + jnp.log(sums[-1])
+    else:
+        normaliser = global_max + log_sum_exp
+    log_prob = jnp.where(targets_valid, target_logit - normaliser, jnp.nan)
+
+    entropy = None
+    if with_entropy:
+        # H = LSE - E_p[x] = log S - E_p[x - M]
+        entropy = log_sum_exp - sums[2] / sum_exp
+        if not entropy_grad:
+            entropy = lax.stop_gradient(entropy)
+    return log_prob, entropy

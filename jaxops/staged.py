@@ -1,0 +1,105 @@
+"""The op split at its one collective, for callers that run their own (the PyTorch bridge).
+
+    packed = local_forward(logits, targets, ...)           # this shard: [K, T] float32
+    gathered = <all-gather packed over the vocab shards>   # [R, K, T], ranks in vocab order
+    log_prob, entropy = combine_gathered(gathered, targets, ...)
+    dlogits = local_backward(logits, targets, gathered, shard_index, d_log_prob, d_entropy, ...)
+
+`combine_gathered` is the same algebra as `combine.combine` with the shard
+reductions done over the leading axis, so every rank computes identical outputs.
+`local_backward` needs no collective: the cotangent of this shard's statistics is
+the VJP of `combine_gathered` with respect to its own row of `gathered`.
+
+All functions are pure JAX and jit-compiled here; `targets` are global ids,
+`shard_index * V_loc` is this shard's first column.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxops.combine import combine
+from jaxops.stats import LocalStats, _backend, backward_coefs
+
+
+def _fields(with_entropy: bool, masked: bool) -> tuple[str, ...]:
+    names = ["max_logit", "sum_exp"]
+    names += ["sum_exp_shifted"] if with_entropy else []
+    names += ["target_logit"]
+    names += ["masked_max", "masked_sum_exp"] if masked else []
+    return tuple(names)
+
+
+def num_packed(with_entropy: bool, masked: bool) -> int:
+    """K, the number of float32 rows `local_forward` packs per token."""
+    return len(_fields(with_entropy, masked))
+
+
+def _pack(stats: LocalStats, with_entropy, masked) -> jax.Array:
+    return jnp.stack([getattr(stats, f) for f in _fields(with_entropy, masked)])
+
+
+def _unpack(packed: jax.Array, with_entropy, masked) -> LocalStats:
+    """`[..., K, T]` -> LocalStats of `[..., T]` fields."""
+    values = {f: packed[..., i, :] for i, f in enumerate(_fields(with_entropy, masked))}
+    return LocalStats(**{f: values.get(f) for f in LocalStats._fields})
+
+
+def _local_targets(targets, shard_index, num_vocab):
+    return targets.astype(jnp.int32) - shard_index * num_vocab
+
+
+@functools.partial(jax.jit, static_argnames=("inv_tau", "with_entropy", "backend", "config"))
+def local_forward(logits, targets, keep_mask, shard_index, *, inv_tau, with_entropy,
+                  backend, config=()) -> jax.Array:
+    """This shard's statistics of `logits [T, V_loc]`, packed as `[K, T]` float32."""
+    stats = _backend(backend).forward_stats(
+        logits, _local_targets(targets, shard_index, logits.shape[-1]), keep_mask,
+        inv_tau=inv_tau, with_entropy=with_entropy, config=config)
+    return _pack(stats, with_entropy, keep_mask is not None)
+
+
+def _combine_stack(gathered: jax.Array, targets, total_vocab, with_entropy, masked,
+                   entropy_grad=True):
+    """combine() with shards stacked on axis 0 instead of a mesh axis."""
+    stats = _unpack(gathered, with_entropy, masked)  # each field [R, T]
+    valid = (targets >= 0) & (targets < total_vocab)
+    # vmap over shards turns the named-axis collectives into reductions over axis 0.
+    log_prob, entropy = jax.vmap(
+        lambda s: combine(s, valid, entropy_grad=entropy_grad, axis_name="shards"),
+        axis_name="shards")(stats)
+    return log_prob[0], (None if entropy is None else entropy[0])
+
+
+@functools.partial(jax.jit, static_argnames=("num_vocab", "with_entropy", "masked"))
+def combine_gathered(gathered, targets, *, num_vocab, with_entropy, masked):
+    """(log_prob [T], entropy [T] or None) from all shards' packed stats `[R, K, T]`."""
+    return _combine_stack(gathered, targets, num_vocab * gathered.shape[0], with_entropy, masked)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("inv_tau", "with_entropy", "entropy_grad", "backend", "config"))
+def local_backward(logits, targets, keep_mask, gathered, shard_index, d_log_prob, d_entropy,
+                   *, inv_tau, with_entropy, entropy_grad, backend, config=()) -> jax.Array:
+    """d loss / d logits `[T, V_loc]` (logits' dtype) for this shard, no collective."""
+    masked = keep_mask is not None
+    num_vocab = logits.shape[-1]
+    total_vocab = num_vocab * gathered.shape[0]
+
+    def outputs(own):
+        stacked = gathered.at[shard_index].set(own)
+        return _combine_stack(stacked, targets, total_vocab, with_entropy, masked, entropy_grad)
+
+    _, vjp = jax.vjp(outputs, gathered[shard_index])
+    if with_entropy and d_entropy is None:
+        d_entropy = jnp.zeros_like(d_log_prob)
+    (d_packed,) = vjp((d_log_prob, d_entropy if with_entropy else None))
+    coefs = backward_coefs(_unpack(d_packed, with_entropy, masked),
+                           with_entropy and entropy_grad, masked)
+    own = _unpack(gathered[shard_index], with_entropy, masked)
+    return _backend(backend).backward_logits(
+        logits, _local_targets(targets, shard_index, num_vocab), keep_mask,
+        own.max_logit, own.masked_max, coefs, inv_tau=inv_tau, config=config)

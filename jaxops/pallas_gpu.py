@@ -24,13 +24,27 @@ from jax.experimental.pallas import triton as plt
 from jaxops.stats import NEG, BackwardCoefs, LocalStats
 
 
+# Excluded entries (-inf logits, padding, masked-out columns) are clamped to
+# _EXCLUDED, strictly below the running max's start value NEG: while a row has
+# seen nothing real (max = NEG), their exponent is still ~ -1e30, never ~0, so
+# no sum counts them, whatever the rounding of the 1e30-sized FMA.
+_EXCLUDED = 2 * NEG
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
 @dataclasses.dataclass(frozen=True)
 class PallasConfig:
-    """Launch parameters. `None` fields are chosen from the dtype."""
+    """Launch parameters and kernel variants. `None` fields are chosen from the dtype."""
 
     block_v: int | None = None  # vocabulary tile, a power of two
     num_warps: int | None = None
     num_stages: int | None = None
+    # ex2.approx (one MUFU instruction) instead of libdevice's exp2f; the
+    # kernels are ALU-bound on bf16 without it.
+    approx_exp2: bool = True
+    # Issue the next tile's load before folding the current one.
+    prefetch: bool = False
     interpret: bool = False
 
 
@@ -48,89 +62,171 @@ def _resolve(config: PallasConfig, dtype, num_vocab: int) -> PallasConfig:
     )
 
 
+def _exp2(x, config: PallasConfig):
+    # Scalars (once per tile) keep libdevice: the inline-asm lowering wants a block.
+    if config.approx_exp2 and not config.interpret and x.ndim > 0:
+        [result] = plt.elementwise_inline_asm(
+            "ex2.approx.ftz.f32 $0, $1;", args=[x], constraints="=f,f", pack=1,
+            result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])
+        return result
+    return jnp.exp2(x)
+
+
 def _tiles(num_vocab: int, block_v: int):
     """(number of full tiles, size of the partial tail tile or 0)."""
     return num_vocab // block_v, num_vocab % block_v
 
 
-def _load_scaled(ref, start, block_v, num_vocab, inv_tau, bounded: bool):
-    """Tile of x = logits * inv_tau in fp32, clamped at NEG (-inf and padding -> NEG)."""
+def _load_raw(ref, start, block_v, num_vocab, bounded: bool):
+    """A tile of logits in fp32, clamped at _EXCLUDED (-inf and padding -> _EXCLUDED).
+
+    The kernels work on raw logits and apply 1/tau and log2(e) inside one FMA
+    per element: exp(x - m) = exp2(raw * (log2e / tau) - m * log2e).
+    """
     cols = start + jnp.arange(block_v, dtype=jnp.int32)
     if bounded:
         raw = plt.load(ref.at[cols], mask=cols < num_vocab, other=-jnp.inf)
     else:
         raw = plt.load(ref.at[cols])
-    return cols, jnp.maximum(raw.astype(jnp.float32) * inv_tau, NEG)
+    return cols, jnp.maximum(raw.astype(jnp.float32), _EXCLUDED)
 
 
-def _load_kept(mask_ref, cols, target, num_vocab, bounded: bool):
+def _load_keep(mask_ref, cols, num_vocab, bounded: bool):
     if bounded:
-        keep = plt.load(mask_ref.at[cols], mask=cols < num_vocab, other=False)
-    else:
-        keep = plt.load(mask_ref.at[cols])
-    return keep | (cols == target)
+        return plt.load(mask_ref.at[cols], mask=cols < num_vocab, other=False)
+    return plt.load(mask_ref.at[cols])
 
 
-def _online_update(row_max, sum_vec, shifted_vec, x):
-    """Fold one tile into (scalar max, per-lane sum exp, per-lane sum exp * shift)."""
-    new_max = jnp.maximum(row_max, jnp.max(x))
-    rescale = jnp.exp(row_max - new_max)
-    shift = x - new_max
-    exp_shift = jnp.exp(shift)
+def _online_update(row_max, sum_vec, shifted_vec, raw, inv_tau, config):
+    """Fold one tile into (scalar raw max, per-lane sum 2^d, per-lane sum 2^d d).
+
+    d = (x - m) * log2(e) for the running max m; sums are rescaled when m grows.
+    Also returns the rescale factor and this tile's 2^d, for sums that share
+    the same reference (the masked sum).
+    """
+    new_max = jnp.maximum(row_max, jnp.max(raw))
+    scale = inv_tau * _LOG2E
+    d_old = (row_max - new_max) * scale
+    rescale = _exp2(d_old, config)
+    d = raw * scale + _neg_reference(new_max * inv_tau)
+    exp_d = _exp2(d, config)
     if shifted_vec is not None:
-        # Re-reference the old sum_j e^(x_j - m_old)(x_j - m_old) to the new max.
-        shifted_vec = rescale * (shifted_vec + (row_max - new_max) * sum_vec) + exp_shift * shift
-    sum_vec = sum_vec * rescale + exp_shift
-    return new_max, sum_vec, shifted_vec
+        shifted_vec = rescale * (shifted_vec + d_old * sum_vec) + exp_d * d
+    sum_vec = sum_vec * rescale + exp_d
+    return new_max, sum_vec, shifted_vec, rescale, exp_d
 
 
-def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, block_v, inv_tau,
-                    with_entropy, masked):
+def _neg_reference(max_x):
+    """-m * log2(e) for a row max m in units of x; forward and backward share these bits."""
+    return -(max_x * _LOG2E)
+
+
+# The masked sum shares the row's exponentials (reference = the row max) unless
+# the kept mass relative to the max is below this; then kept logits may sit so
+# far below the max that their 2^d flush to zero, and the row takes a second,
+# exact pass with its own masked max. Above it, anything flushed (< 2^-126) is
+# < 2^-48 of the sum.
+_SHARED_MASKED_MIN = 2.0 ** -60
+
+
+def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_entropy,
+                    masked, config):
+    block_v = config.block_v
     if masked:
         mask_ref, *out_refs = refs
     else:
         mask_ref, out_refs = None, list(refs)
     target = targets_ref[...]
+    on_shard = (target >= 0) & (target < num_vocab)
+    safe_target = jnp.where(on_shard, target, 0)
     zeros = jnp.zeros((block_v,), jnp.float32)
     neg = jnp.float32(NEG)
-
-    def fold(start, carry, bounded):
-        row_max, sum_vec, shifted_vec, masked_max, masked_vec = carry
-        cols, x = _load_scaled(logits_ref, start, block_v, num_vocab, inv_tau, bounded)
-        row_max, sum_vec, shifted_vec = _online_update(row_max, sum_vec, shifted_vec, x)
-        if masked:
-            kept = _load_kept(mask_ref, cols, target, num_vocab, bounded)
-            masked_max, masked_vec, _ = _online_update(
-                masked_max, masked_vec, None, jnp.where(kept, x, NEG))
-        return row_max, sum_vec, shifted_vec, masked_max, masked_vec
-
-    carry = (neg, zeros, zeros if with_entropy else None,
-             neg if masked else None, zeros if masked else None)
     num_full, tail = _tiles(num_vocab, block_v)
-    carry = lax.fori_loop(
-        0, num_full,
-        lambda i, c: fold(pl.multiple_of(i * block_v, block_v), c, False), carry)
-    if tail:
-        carry = fold(num_full * block_v, carry, True)
-    row_max, sum_vec, shifted_vec, masked_max, masked_vec = carry
 
-    # A row with nothing above NEG (all -inf) counted each element as exp(0).
-    empty = row_max <= NEG
+    def start_of(i):
+        return pl.multiple_of(i * block_v, block_v)
+
+    def load(start, bounded):
+        cols, raw = _load_raw(logits_ref, start, block_v, num_vocab, bounded)
+        keep = _load_keep(mask_ref, cols, num_vocab, bounded) if masked else None
+        return raw, keep
+
+    def fold(tile, acc):
+        raw, keep = tile
+        row_max, sum_vec, shifted_vec, masked_vec, any_kept = acc
+        row_max, sum_vec, shifted_vec, rescale, exp_d = _online_update(
+            row_max, sum_vec, shifted_vec, raw, inv_tau, config)
+        if masked:
+            masked_vec = masked_vec * rescale + jnp.where(keep, exp_d, 0.0)
+            any_kept = any_kept | keep
+        return row_max, sum_vec, shifted_vec, masked_vec, any_kept
+
+    def stream(fold, acc):
+        if config.prefetch and num_full > 0:
+            def body(i, carry):
+                tile, acc = carry
+                # The last iteration re-loads its own tile (cached) instead of branching.
+                upcoming = load(start_of(jnp.minimum(i + 1, num_full - 1)), False)
+                return upcoming, fold(tile, acc)
+
+            _, acc = lax.fori_loop(0, num_full, body, (load(0, False), acc))
+        else:
+            acc = lax.fori_loop(0, num_full, lambda i, a: fold(load(start_of(i), False), a), acc)
+        if tail:
+            acc = fold(load(num_full * block_v, True), acc)
+        return acc
+
+    acc = (neg, zeros, zeros if with_entropy else None,
+           zeros if masked else None,
+           jnp.zeros((block_v,), jnp.bool_) if masked else None)
+    row_max, sum_vec, shifted_vec, masked_vec, any_kept = stream(fold, acc)
+
+    empty = row_max <= NEG  # no finite logit in this row
+    max_x = jnp.where(empty, -jnp.inf, row_max * inv_tau)
+    raw_target = logits_ref[safe_target].astype(jnp.float32)
     max_ref, sum_ref, *out_refs = out_refs
-    max_ref[...] = jnp.where(empty, -jnp.inf, row_max)
+    max_ref[...] = max_x
     sum_ref[...] = jnp.where(empty, 0.0, jnp.sum(sum_vec))
     if with_entropy:
         shifted_ref, *out_refs = out_refs
-        shifted_ref[...] = jnp.where(empty, 0.0, jnp.sum(shifted_vec))
+        shifted_ref[...] = jnp.where(empty, 0.0, jnp.sum(shifted_vec) * _LN2)
     target_ref, *out_refs = out_refs
-    on_shard = (target >= 0) & (target < num_vocab)
-    raw_target = logits_ref[jnp.where(on_shard, target, 0)].astype(jnp.float32)
     target_ref[...] = jnp.where(on_shard, raw_target * inv_tau, 0.0)
-    if masked:
-        masked_max_ref, masked_sum_ref = out_refs
-        masked_empty = masked_max <= NEG
-        masked_max_ref[...] = jnp.where(masked_empty, -jnp.inf, masked_max)
-        masked_sum_ref[...] = jnp.where(masked_empty, 0.0, jnp.sum(masked_vec))
+    if not masked:
+        return
+
+    # The target always counts as kept; add it here if its mask bit is off.
+    target_alone = on_shard & jnp.logical_not(mask_ref[safe_target])
+    target_exp = jnp.exp2(jnp.maximum(raw_target, _EXCLUDED) * (inv_tau * _LOG2E)
+                          + _neg_reference(row_max * inv_tau))
+    shared_sum = jnp.sum(masked_vec) + jnp.where(target_alone, target_exp, 0.0)
+    anything_kept = jnp.any(any_kept) | on_shard
+
+    def exact_pass():
+        def fold_kept(tile, acc):
+            raw, keep = tile
+            kept_max, kept_vec = acc
+            kept_max, kept_vec, *_ = _online_update(
+                kept_max, kept_vec, None, jnp.where(keep, raw, _EXCLUDED), inv_tau, config)
+            return kept_max, kept_vec
+
+        kept_max, kept_vec = stream(fold_kept, (neg, zeros))
+        # Fold in the target if it was not kept by the mask (exact, scalar).
+        target_raw = jnp.where(target_alone, jnp.maximum(raw_target, _EXCLUDED), _EXCLUDED)
+        new_max = jnp.maximum(kept_max, target_raw)
+        total = (jnp.sum(kept_vec) * jnp.exp2((kept_max - new_max) * (inv_tau * _LOG2E))
+                 + jnp.where(target_alone, jnp.exp2((target_raw - new_max) * (inv_tau * _LOG2E)), 0.0))
+        return jnp.where(new_max <= NEG, -jnp.inf, new_max * inv_tau), jnp.where(new_max <= NEG, 0.0, total)
+
+    def shared_result():
+        return (jnp.where(anything_kept & ~empty, max_x, -jnp.inf),
+                jnp.where(anything_kept & ~empty, shared_sum, 0.0))
+
+    needs_exact = anything_kept & ~empty & (shared_sum < _SHARED_MASKED_MIN)
+    masked_max, masked_sum = lax.cond(needs_exact, exact_pass, shared_result)
+    masked_max_ref, masked_sum_ref = out_refs
+    masked_max_ref[...] = masked_max
+    masked_sum_ref[...] = masked_sum
 
 
 def _row_spec():
@@ -153,8 +249,8 @@ def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
     row = jax.ShapeDtypeStruct((num_tokens,), jnp.float32)
     num_out = 3 + with_entropy + 2 * masked
     kernel = functools.partial(
-        _forward_kernel, num_vocab=num_vocab, block_v=config.block_v,
-        inv_tau=float(inv_tau), with_entropy=with_entropy, masked=masked)
+        _forward_kernel, num_vocab=num_vocab, inv_tau=float(inv_tau),
+        with_entropy=with_entropy, masked=masked, config=config)
     inputs = [local_targets.astype(jnp.int32), logits] + ([keep_mask] if masked else [])
     in_specs = [_row_spec(), _matrix_spec(num_vocab)] + ([_matrix_spec(num_vocab)] if masked else [])
     outs = pl.pallas_call(
@@ -176,13 +272,14 @@ def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
                       masked_max, masked_sum_exp)
 
 
-def _backward_kernel(*refs, num_vocab, block_v, inv_tau, entropy, masked):
+def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config):
+    block_v = config.block_v
     refs = list(refs)
     target = refs.pop(0)[...]
     row_max = refs.pop(0)[...]
     # inv_tau is folded into the per-row coefficients: d logits = d x * inv_tau.
     coef_sum = refs.pop(0)[...] * inv_tau
-    coef_shifted = refs.pop(0)[...] * inv_tau if entropy else None
+    coef_shifted = refs.pop(0)[...] * (inv_tau * _LN2) if entropy else None
     coef_target = refs.pop(0)[...] * inv_tau
     if masked:
         masked_max = refs.pop(0)[...]
@@ -191,35 +288,47 @@ def _backward_kernel(*refs, num_vocab, block_v, inv_tau, entropy, masked):
     mask_ref = refs.pop(0) if masked else None
     (dlogits_ref,) = refs
 
+    scale = inv_tau * _LOG2E
     # Rows whose max is -inf have no finite logit: any finite reference works.
-    row_max = jnp.where(row_max > NEG, row_max, 0.0)
+    neg_ref = _neg_reference(jnp.where(row_max > NEG, row_max, 0.0))
     if masked:
-        masked_max = jnp.where(masked_max > NEG, masked_max, 0.0)
+        masked_neg_ref = _neg_reference(jnp.where(masked_max > NEG, masked_max, 0.0))
 
-    def tile(start, bounded):
-        cols, x = _load_scaled(logits_ref, start, block_v, num_vocab, inv_tau, bounded)
-        shift = x - row_max
-        scale = coef_sum + coef_shifted * shift if entropy else coef_sum
-        dx = jnp.exp(shift) * scale
+    def tile(start, bounded, shared_reference):
+        cols, raw = _load_raw(logits_ref, start, block_v, num_vocab, bounded)
+        d = raw * scale + neg_ref  # (x - m) * log2(e)
+        exp_d = _exp2(d, config)
+        coef = coef_sum + coef_shifted * d if entropy else coef_sum
         onehot = cols == target
-        dx = dx + jnp.where(onehot, coef_target, 0.0)
         if masked:
-            kept = _load_kept(mask_ref, cols, target, num_vocab, bounded)
-            dx = dx + jnp.where(kept, jnp.exp(x - masked_max) * coef_masked, 0.0)
-        dx = dx.astype(dlogits_ref.dtype)
-        if bounded:
-            plt.store(dlogits_ref.at[cols], dx, mask=cols < num_vocab)
+            kept = _load_keep(mask_ref, cols, num_vocab, bounded) | onehot
+            if shared_reference:  # the forward's masked sum used the row max: reuse 2^d
+                grad = exp_d * (coef + jnp.where(kept, coef_masked, 0.0))
+            else:
+                masked_exp = _exp2(raw * scale + masked_neg_ref, config)
+                grad = exp_d * coef + jnp.where(kept, masked_exp * coef_masked, 0.0)
         else:
-            plt.store(dlogits_ref.at[cols], dx)
+            grad = exp_d * coef
+        grad = (grad + jnp.where(onehot, coef_target, 0.0)).astype(dlogits_ref.dtype)
+        if bounded:
+            plt.store(dlogits_ref.at[cols], grad, mask=cols < num_vocab)
+        else:
+            plt.store(dlogits_ref.at[cols], grad)
 
     num_full, tail = _tiles(num_vocab, block_v)
 
-    @pl.loop(0, num_full)
-    def _(i):
-        tile(pl.multiple_of(i * block_v, block_v), False)
+    def sweep(shared_reference):
+        @pl.loop(0, num_full)
+        def _(i):
+            tile(pl.multiple_of(i * block_v, block_v), False, shared_reference)
 
-    if tail:
-        tile(num_full * block_v, True)
+        if tail:
+            tile(num_full * block_v, True, shared_reference)
+
+    if masked:
+        lax.cond(masked_max == row_max, lambda: sweep(True), lambda: sweep(False))
+    else:
+        sweep(False)
 
 
 def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
@@ -235,8 +344,8 @@ def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
     rows += [masked_max, coefs.coef_masked] if masked else []
     matrices = [logits] + ([keep_mask] if masked else [])
     kernel = functools.partial(
-        _backward_kernel, num_vocab=num_vocab, block_v=config.block_v,
-        inv_tau=float(inv_tau), entropy=entropy, masked=masked)
+        _backward_kernel, num_vocab=num_vocab, inv_tau=float(inv_tau),
+        entropy=entropy, masked=masked, config=config)
     return pl.pallas_call(
         kernel,
         out_shape=jax.ShapeDtypeStruct(logits.shape, logits.dtype),

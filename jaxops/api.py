@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 
 import jax
@@ -12,7 +13,7 @@ from jax import lax
 from jaxops.combine import combine
 from jaxops.pallas_gpu import PallasConfig
 from jaxops.reference import logprob_entropy_reference
-from jaxops.stats import local_stats
+from jaxops.stats import local_stats, varying_axes
 
 IMPLEMENTATIONS = ("pallas", "xla", "reference")
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -107,6 +108,8 @@ def logprob_entropy(
         vocabulary is split over. Each shard holds `[..., V_loc]` columns
         `[axis_index * V_loc, (axis_index + 1) * V_loc)`, global `targets` and the
         matching slice of `keep_mask`; outputs are identical on every shard.
+        For global arrays (e.g. under `jit` with a `NamedSharding` over the
+        vocabulary) use `jaxops.vocab_parallel_logprob_entropy`.
       pallas_config: launch parameters for the Pallas kernels (tuning only).
 
     Returns:
@@ -158,7 +161,8 @@ def logprob_entropy(
     lead_shape, num_vocab = tuple(logits.shape[:-1]), logits.shape[-1]
     num_tokens = int(np.prod(lead_shape))
     if num_tokens == 0:
-        empty = jnp.zeros(lead_shape, jnp.float32)
+        # float32, or float64 for the float64 reference: the dtype a non-empty call returns.
+        empty = jnp.zeros(lead_shape, jnp.promote_types(logits.dtype, jnp.float32))
         return empty, (empty if with_entropy else None)
     flat_logits = jnp.reshape(logits, (num_tokens, num_vocab))
     flat_targets = jnp.reshape(targets, (num_tokens,))
@@ -179,8 +183,14 @@ def logprob_entropy(
         if impl == "pallas":
             config = pallas_config or PallasConfig()
             if jax.default_backend() != "gpu" and not config.interpret:
-                config = PallasConfig(config.block_v, config.num_warps,
-                                      config.num_stages, interpret=True)
+                config = dataclasses.replace(config, interpret=True)
+            if config.interpret and varying_axes(flat_logits, local_targets, flat_mask):
+                raise NotImplementedError(
+                    "implementation='pallas' in interpret mode (off-GPU) cannot run inside "
+                    "shard_map(check_vma=True): JAX's Pallas interpreter rejects inputs "
+                    "typed as varying over mesh axes. Use check_vma=False, "
+                    "implementation='xla', or jaxops.vocab_parallel_logprob_entropy; "
+                    "compiled Pallas on GPU works in both modes.")
         stats = local_stats(flat_logits, local_targets, flat_mask, 1.0 / tau,
                             bool(with_entropy), bool(entropy_grad), impl, config)
         log_prob, entropy = combine(stats, targets_valid, entropy_grad=bool(entropy_grad),

@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxops.stats import NEG, BackwardCoefs, LocalStats
+from jaxops.stats import NEG, BackwardCoefs, LocalStats, varying_struct
 
 
 # Excluded entries (-inf logits, padding, masked-out columns) are clamped to
@@ -35,7 +35,7 @@ _LN2 = 0.6931471805599453
 
 @dataclasses.dataclass(frozen=True)
 class PallasConfig:
-    """Launch parameters and kernel variants. `None` fields are chosen from the dtype."""
+    """Launch parameters and kernel variants; `None` fields take the tuned defaults."""
 
     block_v: int | None = None  # vocabulary tile, a power of two
     num_warps: int | None = None
@@ -49,15 +49,15 @@ class PallasConfig:
 
 
 def _resolve(config: PallasConfig, dtype, num_vocab: int) -> PallasConfig:
-    itemsize = jnp.dtype(dtype).itemsize
-    block_v = config.block_v or (4096 if itemsize >= 4 else 8192)
+    del dtype  # one default fits fp32 and bf16 (benchmarks/NOTES.md, tuning log)
+    block_v = config.block_v or 2048
     block_v = min(block_v, pl.next_power_of_2(max(num_vocab, 16)))
     if block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two, got {block_v}")
     return dataclasses.replace(
         config,
         block_v=block_v,
-        num_warps=config.num_warps or 8,
+        num_warps=config.num_warps or 4,
         num_stages=config.num_stages or 2,
     )
 
@@ -153,13 +153,14 @@ def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_ent
 
     def fold(tile, acc):
         raw, keep = tile
-        row_max, sum_vec, shifted_vec, masked_vec, any_kept = acc
+        row_max, sum_vec, shifted_vec, masked_vec, kept_count = acc
         row_max, sum_vec, shifted_vec, rescale, exp_d = _online_update(
             row_max, sum_vec, shifted_vec, raw, inv_tau, config)
         if masked:
             masked_vec = masked_vec * rescale + jnp.where(keep, exp_d, 0.0)
-            any_kept = any_kept | keep
-        return row_max, sum_vec, shifted_vec, masked_vec, any_kept
+            # A float count (exact below 2^24), not any(): Triton lowering has no reduce_or.
+            kept_count = kept_count + jnp.where(keep, 1.0, 0.0)
+        return row_max, sum_vec, shifted_vec, masked_vec, kept_count
 
     def stream(fold, acc):
         if config.prefetch and num_full > 0:
@@ -178,8 +179,8 @@ def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_ent
 
     acc = (neg, zeros, zeros if with_entropy else None,
            zeros if masked else None,
-           jnp.zeros((block_v,), jnp.bool_) if masked else None)
-    row_max, sum_vec, shifted_vec, masked_vec, any_kept = stream(fold, acc)
+           zeros if masked else None)
+    row_max, sum_vec, shifted_vec, masked_vec, kept_count = stream(fold, acc)
 
     empty = row_max <= NEG  # no finite logit in this row
     max_x = jnp.where(empty, -jnp.inf, row_max * inv_tau)
@@ -196,11 +197,16 @@ def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_ent
         return
 
     # The target always counts as kept; add it here if its mask bit is off.
-    target_alone = on_shard & jnp.logical_not(mask_ref[safe_target])
+    target_bit = mask_ref[safe_target]
+    target_alone = on_shard & jnp.logical_not(target_bit)
     target_exp = jnp.exp2(jnp.maximum(raw_target, _EXCLUDED) * (inv_tau * _LOG2E)
                           + _neg_reference(row_max * inv_tau))
     shared_sum = jnp.sum(masked_vec) + jnp.where(target_alone, target_exp, 0.0)
-    anything_kept = jnp.any(any_kept) | on_shard
+    num_kept = jnp.sum(kept_count)
+    anything_kept = (num_kept > 0) | on_shard
+    # Kept set = {target}: the statistics are exactly (x_y, 1), so log_prob is
+    # exactly 0 rather than 0 up to the rounding of the shared exponentials.
+    only_target = on_shard & ((num_kept == 0) | ((num_kept == 1) & target_bit))
 
     def exact_pass():
         def fold_kept(tile, acc):
@@ -222,11 +228,11 @@ def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_ent
         return (jnp.where(anything_kept & ~empty, max_x, -jnp.inf),
                 jnp.where(anything_kept & ~empty, shared_sum, 0.0))
 
-    needs_exact = anything_kept & ~empty & (shared_sum < _SHARED_MASKED_MIN)
+    needs_exact = anything_kept & ~empty & ~only_target & (shared_sum < _SHARED_MASKED_MIN)
     masked_max, masked_sum = lax.cond(needs_exact, exact_pass, shared_result)
     masked_max_ref, masked_sum_ref = out_refs
-    masked_max_ref[...] = masked_max
-    masked_sum_ref[...] = masked_sum
+    masked_max_ref[...] = jnp.where(only_target, raw_target * inv_tau, masked_max)
+    masked_sum_ref[...] = jnp.where(only_target, 1.0, masked_sum)
 
 
 def _row_spec():
@@ -246,7 +252,7 @@ def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
     num_tokens, num_vocab = logits.shape
     config = _resolve(config, logits.dtype, num_vocab)
     masked = keep_mask is not None
-    row = jax.ShapeDtypeStruct((num_tokens,), jnp.float32)
+    row = varying_struct((num_tokens,), jnp.float32, logits, local_targets, keep_mask)
     num_out = 3 + with_entropy + 2 * masked
     kernel = functools.partial(
         _forward_kernel, num_vocab=num_vocab, inv_tau=float(inv_tau),
@@ -348,7 +354,7 @@ def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
         entropy=entropy, masked=masked, config=config)
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct(logits.shape, logits.dtype),
+        out_shape=varying_struct(logits.shape, logits.dtype, *rows, *matrices),
         grid=(num_tokens,),
         in_specs=[_row_spec()] * len(rows) + [_matrix_spec(num_vocab)] * len(matrices),
         out_specs=_matrix_spec(num_vocab),

@@ -128,3 +128,35 @@ def _local_stats_bwd(inv_tau, with_entropy, entropy_grad, backend, config,
 
 
 local_stats.defvjp(_local_stats_fwd, _local_stats_bwd)
+
+
+def varying_axes(*arrays) -> frozenset:
+    """Manual mesh axes any of `arrays` varies over (inside `shard_map` with `check_vma=True`).
+
+    Empty outside `shard_map` and under `check_vma=False`, where values carry no
+    varying-manual-axes type. `None` entries are ignored.
+    """
+    axes = frozenset()
+    for x in arrays:
+        if x is None:
+            continue
+        aval = jax.typeof(x)
+        mat = getattr(aval, "manual_axis_type", None)  # jax 0.10, 0.11 (checked)
+        axes |= frozenset(mat.varying if mat is not None else getattr(aval, "vma", ()))
+    return axes
+
+
+def varying_struct(shape, dtype, *like) -> jax.ShapeDtypeStruct:
+    """`out_shape` for a per-shard kernel output computed from the arrays `like`.
+
+    Under `shard_map(check_vma=True)` a `pallas_call` must declare the mesh axes
+    its outputs vary over; a kernel that works on this shard's data produces
+    values that vary over every axis any of its inputs varies over. Elsewhere the
+    set is empty and changes nothing.
+    """
+    varying = varying_axes(*like)
+    try:
+        return jax.ShapeDtypeStruct(
+            shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
+    except (AttributeError, TypeError):  # the older spelling of the same field
+        return jax.ShapeDtypeStruct(shape, dtype, vma=varying)

@@ -1,0 +1,33 @@
+"""Shared test setup.
+
+- float64 is enabled for the whole session: the tests compare every implementation
+  against `implementation="reference"` evaluated on the same input values upcast to
+  float64 (SPEC §8).
+- `@pytest.mark.gpu` (or `pytest.param(..., marks=pytest.mark.gpu)`) marks a test that
+  needs a CUDA GPU; it is skipped, with the reason shown, wherever JAX's default
+  backend is not "gpu".
+"""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+jax.config.update("jax_enable_x64", True)
+
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one)")
+    config.addinivalue_line("markers", "slow: takes more than a few seconds on CPU")
+
+
+def pytest_collection_modifyitems(config, items):
+    if ON_GPU:
+        return
+    skip_gpu = pytest.mark.skip(
+        reason=f"needs a CUDA GPU; jax.default_backend() is {jax.default_backend()!r}")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip_gpu)

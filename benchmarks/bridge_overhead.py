@@ -1,0 +1,290 @@
+"""What the PyTorch bridge costs on top of calling the JAX op directly.
+
+    python benchmarks/bridge_overhead.py [--out DIR] [--device cuda|cpu] [--quick]
+
+Prints microseconds per forward+backward call (median of repeats, many back-to-back calls
+each, one device sync per repeat), for:
+
+  jax         one jitted `jax.vjp` of `jaxops.logprob_entropy` on JAX arrays (1 dispatch)
+  jax-staged  the bridge's own jitted JAX functions on JAX arrays (fwd + bwd dispatches)
+  bridge      bridge.logprob_entropy + torch.autograd.grad on torch tensors (eager route)
+  bridge+chk  the same with check_targets=True (reads min/max of the targets: 1 sync)
+  bridge-op   the torch.library custom-op route in eager mode
+  compiled    torch.compile(fullgraph=True) of forward + loss, then autograd.grad
+              (includes the loss' own small kernels)
+  naive       jax.dlpack.from_dlpack -> jit(vjp) -> torch.from_dlpack, synchronising the
+              device after every call (the ~360 us round trip of SPEC section 6)
+
+and a breakdown of the per-call costs (imports, exports, stream sync, dispatch) that
+explains the difference. Overhead = bridge - jax at small shapes, where the device is idle
+and the wall time is the host's dispatch time; at large shapes the host runs ahead and
+the bridge's overhead hides behind the kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import bridge  # noqa: E402  (first: JAX must start without preallocating)
+import torch  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import jaxops  # noqa: E402
+from bridge import _dlpack, _jaxfns, op  # noqa: E402
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timeit(fn, device, calls, repeats=7, warmup=3):
+    """Median wall time per call in microseconds; `fn` returns something to block on."""
+    out = None
+    for _ in range(warmup):
+        out = fn()
+    jax.block_until_ready([o for o in jax.tree.leaves(out) if isinstance(o, jax.Array)])
+    sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            out = fn()
+        jax.block_until_ready([o for o in jax.tree.leaves(out) if isinstance(o, jax.Array)])
+        sync(device)
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(times)
+
+
+def breakdown(device, calls):
+    """Per-operation costs of one bridge call, in microseconds."""
+    res = {}
+    dev = _dlpack.device(device)
+    x = torch.randn(64, 1024, device=device)
+    y64 = torch.randint(0, 1024, (64,), device=device)
+    res["fast_path"] = dev.fast
+    xfer = dev.begin()
+    res["import_fast"] = timeit(lambda: xfer.to_jax(x), device, calls)
+    res["import_public_jax.dlpack.from_dlpack"] = timeit(
+        lambda: jax.dlpack.from_dlpack(x), device, calls)
+    res["import_int64_public(x64 convert)"] = timeit(
+        lambda: jax.dlpack.from_dlpack(y64), device, calls)
+    res["import_int64_as_int32_pairs"] = timeit(
+        lambda: xfer.to_jax(y64.view(torch.int32)), device, calls)
+    ja = jnp.ones((64,), jnp.float32, device=dev.jax_device)
+    res["export_fast"] = timeit(lambda: xfer.to_torch(ja), device, calls)
+    res["export_public_torch.from_dlpack"] = timeit(lambda: torch.from_dlpack(ja), device, calls)
+    if dev.cuda:
+        res["stream_sync_event"] = timeit(dev._jax_waits_for_torch, device, calls)
+    res["begin(transfer)"] = timeit(dev.begin, device, calls)
+    f = jax.jit(lambda a: a + 1)
+    res["jit_dispatch_trivial"] = timeit(lambda: f(ja), device, calls)
+    res["targets_range_check(sync)"] = timeit(
+        lambda: op.check_targets_in_range(y64, 1024), device, calls)
+    return res
+
+
+def profile(device, impl, calls):
+    """Where the host time of one small bridge call goes (cProfile, top functions)."""
+    import cProfile
+    import io
+    import pstats
+
+    x = torch.randn(16, 1024, device=device, requires_grad=True)
+    y = torch.randint(0, 1024, (16,), device=device)
+    g = torch.randn(16, device=device)
+
+    def call():
+        lp, h = bridge.logprob_entropy(x, y, implementation=impl, check_targets=False)
+        return torch.autograd.grad([lp, h], x, [g, g])
+
+    for _ in range(5):
+        call()
+    sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        call()
+    prof.disable()
+    sync(device)
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(18)
+    return out.getvalue()
+
+
+def scenario(device, T, V, dtype, with_entropy, calls, impl, do_compile, do_naive):
+    torch.manual_seed(0)
+    x = (torch.randn(T, V, device=device) * 3).to(dtype).requires_grad_()
+    y = torch.randint(0, V, (T,), device=device)
+    g1 = torch.randn(T, device=device)
+    g2 = torch.randn(T, device=device)
+    res = {"T": T, "V": V, "dtype": str(dtype).replace("torch.", ""),
+           "entropy": with_entropy, "gib_logits": x.numel() * x.element_size() / 2**30}
+
+    # --- JAX direct, on JAX arrays holding the same values ---------------------------
+    dev = _dlpack.device(device)
+    xfer = dev.begin()
+    jx = jnp.array(xfer.to_jax(x.detach()))  # a JAX-owned copy
+    jy = jnp.asarray(xfer.to_jax(y.to(torch.int32)))
+    jg1, jg2 = jnp.array(xfer.to_jax(g1)), jnp.array(xfer.to_jax(g2))
+    sync(device)
+
+    @jax.jit
+    def jax_fb(x, y, g1, g2):
+        def f(x):
+            lp, h = jaxops.logprob_entropy(x, y, with_entropy=with_entropy,
+                                           implementation=impl)
+            return (lp, h) if with_entropy else (lp,)
+        outs, vjp = jax.vjp(f, x)
+        (dx,) = vjp((g1, g2) if with_entropy else (g1,))
+        return outs, dx
+
+    res["jax"] = timeit(lambda: jax_fb(jx, jy, jg1, jg2), device, calls)
+
+    backend, config = op._backend(impl, dev)
+    fwd = _jaxfns.local_forward(shard_index=0, world=1, inv_tau=1.0, with_entropy=with_entropy,
+                                masked=False, backend=backend, config=config, target_mode="i32")
+    bwd = _jaxfns.local_backward(shard_index=0, inv_tau=1.0, with_entropy=with_entropy,
+                                 entropy_grad=True, masked=False, has_d_log_prob=True,
+                                 has_d_entropy=with_entropy, backend=backend, config=config,
+                                 target_mode="i32")
+
+    def staged():
+        lp, h, st = fwd(jx, jy, None)
+        return lp, h, bwd(jx, jy, None, st, jg1, jg2 if with_entropy else None)
+
+    res["jax-staged"] = timeit(staged, device, calls)
+
+    # --- the bridge ------------------------------------------------------------------
+    def bridge_call(check=False):
+        lp, h = bridge.logprob_entropy(x, y, with_entropy=with_entropy, implementation=impl,
+                                       check_targets=check)
+        outs, grads = ([lp, h], [g1, g2]) if with_entropy else ([lp], [g1])
+        return torch.autograd.grad(outs, x, grads)
+
+    res["bridge"] = timeit(bridge_call, device, calls)
+    res["bridge+chk"] = timeit(lambda: bridge_call(True), device, calls)
+    op.USE_CUSTOM_OP_IN_EAGER = True
+    try:
+        res["bridge-op"] = timeit(bridge_call, device, calls)
+    finally:
+        op.USE_CUSTOM_OP_IN_EAGER = False
+
+    if do_compile:
+        def loss(x, y, g1, g2):  # compiled forward; its compiled backward runs in .grad
+            lp, h = bridge.logprob_entropy(x, y, with_entropy=with_entropy,
+                                           implementation=impl)
+            return (lp * g1).sum() + ((h * g2).sum() if with_entropy else 0.0)
+
+        compiled = torch.compile(loss, fullgraph=True)
+        t0 = time.perf_counter()
+        torch.autograd.grad(compiled(x, y, g1, g2), x)
+        sync(device)
+        res["compile_s"] = time.perf_counter() - t0
+        res["compiled"] = timeit(lambda: torch.autograd.grad(compiled(x, y, g1, g2), x),
+                                 device, calls)
+
+    if do_naive:
+        def naive():
+            jxn = jax.dlpack.from_dlpack(x.detach())
+            jyn = jax.dlpack.from_dlpack(y)  # int64: converted (copied) to int32
+            outs, dx = jax_fb(jxn, jyn, jax.dlpack.from_dlpack(g1), jax.dlpack.from_dlpack(g2))
+            r = [torch.from_dlpack(o) for o in outs] + [torch.from_dlpack(dx)]
+            sync(device)
+            return r
+
+        res["naive"] = timeit(naive, device, max(calls // 4, 5))
+
+    # first call with a new T (compiles the JAX functions for that shape)
+    x2 = x.detach()[: max(T - 1, 1)].clone().requires_grad_()
+    t0 = time.perf_counter()
+    lp, h = bridge.logprob_entropy(x2, y[: x2.shape[0]], with_entropy=with_entropy,
+                                   implementation=impl)
+    torch.autograd.grad([lp], x2, [g1[: x2.shape[0]]])
+    sync(device)
+    res["new_T_first_call_ms"] = (time.perf_counter() - t0) * 1e3
+    res["overhead_vs_jax"] = res["bridge"] - res["jax"]
+    res["overhead_vs_staged"] = res["bridge"] - res["jax-staged"]
+    return res
+
+
+def memory(device):
+    out = {}
+    if device.type == "cuda":
+        out["torch_reserved_gib"] = torch.cuda.memory_reserved(device) / 2**30
+        stats = _dlpack.device(device).jax_device.memory_stats() or {}
+        out["jax_pool_gib"] = stats.get("pool_bytes", stats.get("bytes_reserved", 0)) / 2**30
+        out["jax_peak_in_use_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30
+        out["jax_bytes_limit_gib"] = stats.get("bytes_limit", 0) / 2**30
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--quick", action="store_true", help="small shapes and few calls only")
+    ap.add_argument("--no-compile", action="store_true")
+    args = ap.parse_args()
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index if device.index is not None else 0)
+        torch.cuda.set_device(device)
+    impl = "pallas" if device.type == "cuda" else "xla"
+    calls = 20 if args.quick else 200
+    info = {"python": platform.python_version(), "torch": torch.__version__,
+            "jax": jax.__version__, "device": str(device),
+            "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "memory_policy": _dlpack.memory_policy_note(),
+            "XLA_PYTHON_CLIENT_PREALLOCATE": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")}
+    print(json.dumps(info), flush=True)
+    results = {"info": info, "breakdown": breakdown(device, calls), "scenarios": []}
+    print("per-operation costs (us):", flush=True)
+    for k, v in results["breakdown"].items():
+        print(f"  {k:40s} {v if isinstance(v, bool) else f'{v:8.1f}'}", flush=True)
+
+    shapes = [(16, 1024, torch.float32), (256, 32768, torch.bfloat16)]
+    if not args.quick and device.type == "cuda":
+        shapes += [(1024, 151936, torch.bfloat16), (8192, 151936, torch.bfloat16),
+                   (8192, 151936, torch.float32)]
+    cols = ["jax", "jax-staged", "bridge", "bridge+chk", "bridge-op", "compiled", "naive"]
+    print(f"{'T':>5} {'V':>7} {'dtype':>9} {'ent':>3} " + " ".join(f"{c:>10}" for c in cols)
+          + f" {'overhead':>9} {'vs staged':>9}  (us per fwd+bwd call)", flush=True)
+    for T, V, dtype in shapes:
+        for with_entropy in (True, False):
+            small = T * V <= 256 * 32768
+            r = scenario(device, T, V, dtype, with_entropy,
+                         calls if small else max(calls // 10, 10), impl,
+                         do_compile=small and not args.no_compile and with_entropy,
+                         do_naive=small)
+            results["scenarios"].append(r)
+            print(f"{T:5d} {V:7d} {r['dtype']:>9} {int(with_entropy):3d} "
+                  + " ".join(f"{r[c]:10.1f}" if c in r else f"{'-':>10}" for c in cols)
+                  + f" {r['overhead_vs_jax']:9.1f} {r['overhead_vs_staged']:9.1f}"
+                  + f"   new-T first call {r['new_T_first_call_ms']:.0f} ms"
+                  + (f", torch.compile {r['compile_s']:.1f} s" if "compile_s" in r else ""),
+                  flush=True)
+    prof = profile(device, impl, calls)
+    print("cProfile of the bridge, small shape (host time per function, "
+          f"{calls} fwd+bwd calls):\n" + prof, flush=True)
+    results["profile"] = prof
+    results["memory"] = memory(device)
+    print("memory:", json.dumps(results["memory"]), flush=True)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "bridge_overhead.json"), "w") as fh:
+            json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,416 @@
+#!/usr/bin/env python3
+"""Tables from a benchmark results JSON (written by bench.py): text, and the README's markdown.
+
+    python benchmarks/report.py benchmarks/results/h200.json                   # print markdown
+    python benchmarks/report.py benchmarks/results/h200.json --update-readme   # write README.md
+
+`--update-readme` replaces what lies between `<!-- perf-table:start -->` and
+`<!-- perf-table:end -->` in README.md; every number there comes from the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
+OURS = "jaxops-pallas"
+ANCHOR_ORDER = ("jaxops-xla", "bridge", "jax-jit", "torch-compile", "torch-eager", "megatron")
+IMPL_ORDER = ("jaxops-pallas",) + ANCHOR_ORDER
+LABEL = {"jaxops-pallas": "jaxops (Pallas)", "jaxops-xla": "jaxops (XLA)",
+         "bridge": "bridge (torch → jaxops)", "jax-jit": "jax.jit", "torch-compile": "torch.compile",
+         "torch-eager": "torch eager", "megatron": "Megatron fused CE"}
+DT = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+# ---------------------------------------------------------------------------- access
+
+
+def load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def ok(row, phase):
+    return row.get(f"{phase}_status") == "ok" and row.get(f"{phase}_ms") is not None
+
+
+def rows_by_key(results):
+    return {(r["impl"], r["dtype"], r["T"], r["V"], r["entropy"], r["mask"]): r
+            for r in results.get("rows", [])}
+
+
+HEADLINE = (8192, 151_936)  # SPEC §7/§8
+
+
+def main_size(results):
+    """(T, V) of the headline comparison: SPEC's size if measured, else the first one."""
+    rows = results.get("rows", [])
+    if any((r["T"], r["V"]) == HEADLINE for r in rows):
+        return HEADLINE
+    return (rows[0]["T"], rows[0]["V"]) if rows else (None, None)
+
+
+def combos(results, T=None, V=None):
+    seen = []
+    for r in results.get("rows", []):
+        if (T is None or r["T"] == T) and (V is None or r["V"] == V):
+            combo = (r["dtype"], r["entropy"], r["mask"])
+            if combo not in seen:
+                seen.append(combo)
+    order = {"float32": 0, "bfloat16": 1}
+    return sorted(seen, key=lambda c: (order.get(c[0], 9), c[1], c[2]))
+
+
+def speedups(results):
+    """Anchor time / jaxops-pallas time at the headline size, per combo, anchor and phase."""
+    T, V = main_size(results)
+    index = rows_by_key(results)
+    out = []
+    for dtype, entropy, mask in combos(results, T, V):
+        ours = index.get((OURS, dtype, T, V, entropy, mask))
+        if ours is None:
+            continue
+        for anchor in ANCHOR_ORDER:
+            row = index.get((anchor, dtype, T, V, entropy, mask))
+            if row is None:
+                continue
+            entry = {"anchor": anchor, "dtype": dtype, "T": T, "V": V, "entropy": entropy,
+                     "mask": mask}
+            for phase in ("fwd", "fb"):
+                good = ok(row, phase) and ok(ours, phase)
+                entry[phase] = row[f"{phase}_ms"] / ours[f"{phase}_ms"] if good else None
+                entry[f"{phase}_delta_us"] = (
+                    (row[f"{phase}_ms"] - ours[f"{phase}_ms"]) * 1e3 if good else None)
+            entry["same_run"] = row.get("run", 0) == ours.get("run", 0)
+            if entry["fwd"] is None and entry["fb"] is None:
+                entry["status"] = row.get("status")
+            out.append(entry)
+    return out
+
+
+# ---------------------------------------------------------------------------- formatting
+
+
+def ms(value):
+    if value is None:
+        return "—"
+    if value >= 100:
+        return f"{value:.0f}"
+    if value >= 10:
+        return f"{value:.1f}"
+    if value >= 1:
+        return f"{value:.2f}"
+    return f"{value:.3f}"
+
+
+def bandwidth(bps):
+    return f"{bps / 1e12:.2f} TB/s" if bps >= 1e11 else f"{bps / 1e9:.2f} GB/s"
+
+
+def ratio(value, suffix="×"):
+    return "—" if value is None else f"{value:.2f}{suffix}"
+
+
+def gb(value):
+    return "—" if value is None else f"{value / 1e9:.2f}"
+
+
+def size(nbytes):
+    if nbytes is None:
+        return "—"
+    return f"{nbytes / 1e9:.2f} GB" if abs(nbytes) >= 1e9 else f"{nbytes / 1e6:.2f} MB"
+
+
+def yn(flag):
+    return "yes" if flag else "no"
+
+
+def phase_cell(row, phase):
+    """'1.23' or the reason there is no number ('OOM', 'n/a', ...)."""
+    if row is None:
+        return "—"
+    if ok(row, phase):
+        return ms(row[f"{phase}_ms"])
+    status = row.get(f"{phase}_status") or row.get("status") or "?"
+    if status.startswith("n/a"):
+        return "n/a"
+    if status.startswith("skipped"):
+        return "skipped"
+    if status == "OOM":
+        return "OOM"
+    return "error"
+
+
+def x_roof(row, phase):
+    return ratio(row.get(f"{phase}_x_roof")) if row is not None and ok(row, phase) else "—"
+
+
+def beyond_grad(row):
+    extra = row.get("fb_peak_extra_bytes")
+    return None if extra is None or not ok(row, "fb") else extra - row["grad_bytes"]
+
+
+def text_table(results):
+    head = (f"{'implementation':15s} {'dtype':8s} {'T':>6s} {'V':>7s} {'H':1s} {'M':1s} "
+            f"{'fwd ms':>9s} {'x roof':>7s} {'fb ms':>9s} {'x roof':>7s} {'peak GB':>8s}  status")
+    lines = [head, "-" * len(head)]
+    for r in results.get("rows", []):
+        lines.append(
+            f"{r['impl']:15s} {r['dtype']:8s} {r['T']:6d} {r['V']:7d} "
+            f"{'H' if r['entropy'] else '-'} {'M' if r['mask'] else '-'} "
+            f"{phase_cell(r, 'fwd'):>9s} {x_roof(r, 'fwd'):>7s} "
+            f"{phase_cell(r, 'fb'):>9s} {x_roof(r, 'fb'):>7s} "
+            f"{gb(r.get('fb_peak_extra_bytes')) if ok(r, 'fb') else '—':>8s}  "
+            f"{'' if r.get('status') == 'ok' else r.get('status', '')}")
+    return "\n".join(lines)
+
+
+def text_speedups(results):
+    T, V = main_size(results)
+    lines = [f"speed-up of {OURS} over each anchor at T={T}, V={V} "
+             "(anchor time / jaxops-pallas time; fwd | fwd+bwd):"]
+    for e in results.get("speedups") or speedups(results):
+        lines.append(f"  {DT.get(e['dtype'], e['dtype']):4s} entropy={yn(e['entropy']):3s} "
+                     f"mask={yn(e['mask']):3s} vs {e['anchor']:14s} "
+                     f"{ratio(e['fwd']):>8s} | {ratio(e['fb']):>8s}"
+                     + (f"  ({e['status']})" if e.get("status") else ""))
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- markdown
+
+
+def _md_table(header, rows):
+    lines = ["| " + " | ".join(header) + " |",
+             "| " + " | ".join("---" for _ in header) + " |"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _pair(a, b):
+    return f"{a} ({b})"
+
+
+def headline_md(results):
+    T, V = main_size(results)
+    index = rows_by_key(results)
+    present = [a for a in ANCHOR_ORDER if any(k[0] == a and k[2] == T and k[3] == V
+                                              for k in index)]
+    header = ["dtype", "entropy", "mask", "roofline ms", "jaxops (Pallas) ms", "× roofline"]
+    header += [("bridge overhead µs" if a == "bridge" else f"vs {LABEL[a]}") for a in present]
+    rows = []
+    for dtype, entropy, mask in combos(results, T, V):
+        ours = index.get((OURS, dtype, T, V, entropy, mask))
+        if ours is None:
+            continue
+        cells = [DT.get(dtype, dtype), yn(entropy), yn(mask),
+                 _pair(ms(ours.get("fb_roof_ms")), ms(ours.get("fwd_roof_ms"))),
+                 _pair(phase_cell(ours, "fb"), phase_cell(ours, "fwd")),
+                 _pair(x_roof(ours, "fb"), x_roof(ours, "fwd"))]
+        for anchor in present:
+            row = index.get((anchor, dtype, T, V, entropy, mask))
+            if row is None:
+                cells.append("—")
+                continue
+            vals = []
+            for phase in ("fb", "fwd"):
+                if ok(row, phase) and ok(ours, phase):
+                    if anchor == "bridge":
+                        vals.append(f"{(row[f'{phase}_ms'] - ours[f'{phase}_ms']) * 1e3:+.0f}")
+                    else:
+                        vals.append(ratio(row[f"{phase}_ms"] / ours[f"{phase}_ms"]))
+                else:
+                    vals.append(phase_cell(row, phase))
+            mixed = row.get("run", 0) != ours.get("run", 0)
+            cells.append("n/a" if vals == ["n/a", "n/a"] else _pair(*vals) + (" †" if mixed else ""))
+        rows.append(cells)
+    table = _md_table(header, rows)
+    if any("†" in c for row in rows for c in row):
+        table += ("\n\n† from different runs of bench.py (`--append`); all other comparisons "
+                  "are within one run.")
+    return table
+
+
+def all_rows_md(results, T, V):
+    index = rows_by_key(results)
+    header = ["implementation", "dtype", "entropy", "mask", "fwd ms", "× roofline",
+              "fwd+bwd ms", "× roofline", "peak extra fwd+bwd GB", "beyond the gradient"]
+    rows = []
+    for dtype, entropy, mask in combos(results, T, V):
+        rows.append([f"*roofline*", DT.get(dtype, dtype), yn(entropy), yn(mask),
+                     *_roof_cells(results, dtype, T, V, mask), "", ""])
+        for impl in IMPL_ORDER:
+            r = index.get((impl, dtype, T, V, entropy, mask))
+            if r is None or (r.get("status", "").startswith("n/a")):
+                continue
+            extra = beyond_grad(r)
+            rows.append([LABEL[impl], DT.get(dtype, dtype), yn(entropy), yn(mask),
+                         phase_cell(r, "fwd"), x_roof(r, "fwd"), phase_cell(r, "fb"),
+                         x_roof(r, "fb"), gb(r.get("fb_peak_extra_bytes")) if ok(r, "fb") else "—",
+                         size(extra)])
+    return _md_table(header, rows)
+
+
+def _roof_cells(results, dtype, T, V, mask):
+    for r in results.get("rows", []):
+        if (r["dtype"], r["T"], r["V"], r["mask"]) == (dtype, T, V, mask) and "fb_roof_ms" in r:
+            return [ms(r["fwd_roof_ms"]), "1.00×", ms(r["fb_roof_ms"]), "1.00×"]
+    return ["—", "", "—", ""]
+
+
+def sweep_md(results):
+    """fwd+bwd (fwd) ms per implementation vs T, at the headline V, combos without a mask."""
+    _, V = main_size(results)
+    index = rows_by_key(results)
+    Ts = sorted({r["T"] for r in results.get("rows", []) if r["V"] == V})
+    if len(Ts) < 2:
+        return None
+    header = ["implementation", "dtype", "entropy"] + [f"T = {T:,}" for T in Ts]
+    rows = []
+    for dtype, entropy, mask in combos(results, None, V):
+        if mask or sum((OURS, dtype, T, V, entropy, mask) in index for T in Ts) < 2:
+            continue
+        roof = []
+        for T in Ts:
+            r = index.get((OURS, dtype, T, V, entropy, mask))
+            roof.append(_pair(ms(r["fb_roof_ms"]), ms(r["fwd_roof_ms"])) if r and "fb_roof_ms" in r
+                        else "—")
+        rows.append(["*roofline*", DT.get(dtype, dtype), yn(entropy), *roof])
+        for impl in IMPL_ORDER:
+            cells = []
+            for T in Ts:
+                r = index.get((impl, dtype, T, V, entropy, mask))
+                if r is None:
+                    cells.append("—")
+                elif ok(r, "fb") and ok(r, "fwd"):
+                    cells.append(f"{ms(r['fb_ms'])} ({ms(r['fwd_ms'])}), "
+                                 f"{ratio(r['fb_x_roof'])}")
+                else:
+                    cells.append(_pair(phase_cell(r, "fb"), phase_cell(r, "fwd")))
+            if any(c not in ("—", "n/a (n/a)") for c in cells):
+                rows.append([LABEL[impl], DT.get(dtype, dtype), yn(entropy), *cells])
+    return _md_table(header, rows)
+
+
+def memory_summary(results):
+    rows = [r for r in results.get("rows", []) if r["impl"] == OURS and beyond_grad(r) is not None]
+    if not rows:
+        return None
+    worst = max(rows, key=beyond_grad)
+    return (f"Memory: for jaxops (Pallas) the peak extra allocation of forward+backward is the "
+            f"gradient plus at most {beyond_grad(worst) / 1e6:.2f} MB over all "
+            f"{len(rows)} cases (worst: {DT.get(worst['dtype'])}, T = {worst['T']:,}, "
+            f"V = {worst['V']:,}, entropy {yn(worst['entropy'])}, mask {yn(worst['mask'])}; "
+            f"{beyond_grad(worst) / worst['T']:.0f} bytes per token), measured as "
+            f"`{worst.get('mem_method')}`.")
+
+
+def markdown(results, json_path=None, png_path=None):
+    T, V = main_size(results)
+    bw = results.get("bandwidth") or {}
+    used = bw.get("used_Bps")
+    parts = {k[:-4]: v for k, v in bw.items() if k.endswith("_Bps") and k != "used_Bps"}
+    git = results.get("git") or {}
+    commit = (git.get("commit") or "unknown")[:10] + (" (dirty)" if git.get("dirty") else "")
+    versions = results.get("versions") or {}
+    rel = (lambda p: os.path.relpath(p, REPO).replace(os.sep, "/")) if json_path else None
+    src = f"[`{rel(json_path)}`]({rel(json_path)})" if json_path else "the results JSON"
+    plot = f" Plot: [`{rel(png_path)}`]({rel(png_path)})." if png_path else ""
+    runs = results.get("runs") or []
+    runs_note = ""
+    if len(runs) > 1:
+        runs_note = (f" The file holds {len(runs)} runs (`--append`): "
+                     + "; ".join(f"run {i}: {r.get('date')}, commit "
+                                 f"`{((r.get('git') or {}).get('commit') or '?')[:10]}`, copy "
+                                 f"bandwidth {bandwidth((r.get('bandwidth') or {}).get('used_Bps', 0))}"
+                                 for i, r in enumerate(runs))
+                     + "; each row's roofline uses its own run's bandwidth.")
+    lines = [
+        "<!-- generated by benchmarks/report.py from the results JSON; do not edit by hand -->",
+        f"Measured on **{(results.get('device') or {}).get('name')}** in "
+        f"{'one run' if len(runs) <= 1 else 'the first of several runs'} of "
+        f"`{' '.join(results.get('command') or ['benchmarks/bench.py'])}` "
+        f"({results.get('mode')} mode{'' if results.get('complete') else ', INCOMPLETE run'}): "
+        f"{src}, commit `{commit}`, {results.get('date')}, jax {versions.get('jax')}, "
+        f"torch {versions.get('torch')}, triton {versions.get('triton')}, megatron-core "
+        f"{versions.get('megatron_core')}.{plot}{runs_note}",
+        "",
+        f"Copy bandwidth measured in the same run (bytes read + written): "
+        + ", ".join(f"{k.replace('_', ' ')} {bandwidth(v)}" for k, v in parts.items())
+        + (f"; the roofline uses the largest, {bandwidth(used)}. " if used else ". ")
+        + "Roofline = bytes that must move / that bandwidth: forward reads the logits once "
+        "(+ the bool mask), forward+backward moves them three times (+ two reads of the mask). "
+        "Times are medians of many device-synchronised calls on fresh random logits; "
+        "forward is an inference forward, forward+backward returns the gradient for random "
+        "cotangents; speed-up = anchor time / jaxops (Pallas) time, both from this run.",
+        "",
+        f"**T = {T:,}, V = {V:,}** — cells are forward+backward (forward):",
+        "",
+        headline_md(results),
+        "",
+    ]
+    mem = memory_summary(results)
+    if mem:
+        lines += [mem, ""]
+    lines += ["<details><summary>All implementations at this size (times in ms, peak extra "
+              "memory of forward+backward)</summary>", "", all_rows_md(results, T, V), "",
+              "</details>", ""]
+    others = sorted({(r["T"], r["V"]) for r in results.get("rows", [])} - {(T, V)})
+    for T2, V2 in others:
+        if V2 != V:
+            lines += [f"<details><summary>T = {T2:,}, V = {V2:,} (one vocabulary shard of "
+                      f"tensor parallelism {V // V2 if V2 and V % V2 == 0 else '?'})</summary>",
+                      "", all_rows_md(results, T2, V2), "", "</details>", ""]
+    sweep = sweep_md(results)
+    if sweep:
+        lines += [f"<details><summary>Scaling with T at V = {V:,}: forward+backward "
+                  "(forward) ms, × roofline of forward+backward</summary>", "", sweep, "",
+                  "</details>", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def update_readme(readme_path, md):
+    with open(readme_path) as f:
+        text = f.read()
+    if START not in text or END not in text:
+        raise SystemExit(f"{readme_path}: markers {START} / {END} not found")
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    with open(readme_path, "w") as f:
+        f.write(head + START + "\n" + md + END + tail)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", help="results JSON written by bench.py")
+    parser.add_argument("--update-readme", action="store_true",
+                        help="write the markdown between the perf-table markers of --readme")
+    parser.add_argument("--readme", default=os.path.join(REPO, "README.md"))
+    parser.add_argument("--png", default=None,
+                        help="plot to link (default: the JSON's path with .png, if it exists)")
+    parser.add_argument("--text", action="store_true", help="print the plain-text tables")
+    args = parser.parse_args(argv)
+    results = load(args.results)
+    png = args.png or os.path.splitext(args.results)[0] + ".png"
+    png = png if os.path.exists(png) else None
+    if args.text:
+        print(text_table(results))
+        print()
+        print(text_speedups(results))
+        return 0
+    md = markdown(results, os.path.abspath(args.results), png and os.path.abspath(png))
+    if args.update_readme:
+        update_readme(args.readme, md)
+        print(f"updated {args.readme}")
+    else:
+        print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

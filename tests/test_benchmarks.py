@@ -1,0 +1,164 @@
+"""The benchmark harness cannot rot: `benchmarks/bench.py --tiny` runs end to end on CPU,
+and `plot.py` / `report.py` turn its JSON into a PNG and the README table.
+
+No timing is asserted (CPU numbers mean nothing); the checks are that every expected row is
+there, that measured numbers are positive and finite, that statuses are the documented ones,
+and that the generated markdown lands between the README markers.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH_DIR = os.path.join(REPO, "benchmarks")
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", os.path.join(BENCH_DIR, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+bench = _load("bench")  # stdlib-only at import time
+
+
+def _run(*args, timeout=900):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.pop("XLA_FLAGS", None)  # no fake multi-device CPU here
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return proc.stdout
+
+
+def _module_available(name):
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+@pytest.fixture(scope="module")
+def tiny_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "cpu.json"
+    stdout = _run(os.path.join("benchmarks", "bench.py"), "--tiny", "--budget-s", "0",
+                  "--device-name", "cpu-test", "--out", str(out))
+    assert "speed-up of jaxops-pallas" in stdout
+    with open(out) as f:
+        return out, json.load(f)
+
+
+def test_roofline_bytes():
+    n = 8192 * 151_936
+    assert bench.roofline_bytes("float32", 8192, 151_936, False) == (4 * n, 12 * n)
+    assert bench.roofline_bytes("bfloat16", 8192, 151_936, True) == (2 * n + n, 6 * n + 2 * n)
+
+
+def test_filters_select_cases():
+    filters = bench.parse_filters(["impl=jaxops-*,megatron", "dtype=bf16", "T=8192"])
+    cases = bench.build_cases("quick", filters)
+    assert cases and all(c.impl in ("jaxops-pallas", "jaxops-xla", "megatron") for c in cases)
+    assert all(c.dtype == "bfloat16" and c.T == 8192 for c in cases)
+    assert {c.V for c in cases} == {151_936, 151_936 // 8}
+    cases = bench.build_cases("full", bench.parse_filters(["entropy=no;mask=yes"]))
+    assert cases and all(not c.entropy and c.mask for c in cases)
+    # Torch at the large size runs first of all (JAX's pool never shrinks), then the
+    # headline size.
+    full = bench.build_cases("full", {})
+    big_torch = [c for c in full if c.T == 32768 and c.impl in bench.TORCH_IMPLS]
+    assert full[:len(big_torch)] == big_torch
+    assert (full[len(big_torch)].T, full[len(big_torch)].V) == (8192, 151_936)
+    with pytest.raises(SystemExit):
+        bench.parse_filters(["colour=red"])
+
+
+@pytest.mark.slow
+def test_tiny_run_has_every_row(tiny_results):
+    _, results = tiny_results
+    assert results["complete"] is True and results["mode"] == "tiny"
+    assert results["device_name"] == "cpu-test"
+    assert results["versions"]["jax"] and results["versions"]["torch"]
+    assert "commit" in results["git"] and results["date"]
+    bw = results["bandwidth"]
+    assert bw["used_Bps"] > 0 and bw["used"] in ("torch_copy_Bps", "torch_scale_Bps",
+                                                  "jax_scale_Bps")
+    expected = {c.key for c in bench.build_cases("tiny", {})}
+    rows = {(r["impl"], r["dtype"], r["T"], r["V"], r["entropy"], r["mask"]): r
+            for r in results["rows"]}
+    assert set(rows) == expected
+    assert {r["impl"] for r in results["rows"]} == set(bench.IMPLS)
+
+    must_run = {"jaxops-pallas", "jaxops-xla", "jax-jit", "torch-eager"}
+    if _module_available("megatron.core"):
+        must_run.add("megatron")
+    for key, row in rows.items():
+        impl = row["impl"]
+        status = row["status"]
+        if impl == "megatron" and (row["entropy"] or row["mask"]):
+            assert status.startswith("n/a"), (key, status)
+            continue
+        if impl == "torch-compile":
+            assert status.startswith("skipped: torch.compile"), (key, status)
+            continue
+        if impl == "bridge" and status.startswith("skipped: bridge not importable"):
+            continue  # the bridge is optional for the harness
+        if impl == "megatron" and impl not in must_run:
+            assert status.startswith("skipped: megatron-core not usable"), (key, status)
+            continue
+        assert impl in must_run or impl == "bridge", (key, status)
+        assert status == "ok", (key, status, row.get("fwd_status"), row.get("fb_status"))
+        for phase in ("fwd", "fb"):
+            for field in ("ms", "roof_ms", "x_roof"):
+                value = row[f"{phase}_{field}"]
+                assert value > 0 and math.isfinite(value), (key, phase, field, value)
+            assert row[f"{phase}_calls"] >= 2
+        assert row["fb_bytes"] > row["fwd_bytes"] > 0
+        assert math.isfinite(row["lp_mean"]) and row["lp_mean"] < 0
+        if row["entropy"]:
+            assert row["h_mean"] > 0
+        if row["framework"] == "jax":  # buffer assignment: the gradient is an output
+            assert row["fb_peak_extra_bytes"] >= row["grad_bytes"]
+    ours = [s for s in results["speedups"] if s["fb"] is not None]
+    assert ours and all(s["fb"] > 0 and s["fwd"] > 0 for s in ours)
+
+
+@pytest.mark.slow
+def test_plot_and_report(tiny_results, tmp_path):
+    json_path, results = tiny_results
+    png = tmp_path / "cpu.png"
+    _run(os.path.join("benchmarks", "plot.py"), str(json_path), "--out", str(png))
+    assert png.exists() and png.stat().st_size > 10_000
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+    text = _run(os.path.join("benchmarks", "report.py"), str(json_path), "--text")
+    assert "jaxops-pallas" in text and "speed-up" in text
+
+    readme = tmp_path / "README.md"
+    readme.write_text("# title\n\nbefore\n\n<!-- perf-table:start -->\nold table\n"
+                      "<!-- perf-table:end -->\n\nafter\n")
+    _run(os.path.join("benchmarks", "report.py"), str(json_path), "--png", str(png),
+         "--update-readme", "--readme", str(readme))
+    updated = readme.read_text()
+    assert "old table" not in updated
+    assert updated.startswith("# title\n\nbefore\n\n<!-- perf-table:start -->\n")
+    assert updated.endswith("<!-- perf-table:end -->\n\nafter\n")
+    section = updated.split("<!-- perf-table:start -->")[1].split("<!-- perf-table:end -->")[0]
+    assert "| dtype | entropy | mask | roofline ms |" in section
+    assert f"T = {results['rows'][0]['T']:,}" in section
+    # Traceable: the headline numbers are the JSON's, formatted.
+    report = _load("report")
+    pallas = next(r for r in results["rows"] if r["impl"] == "jaxops-pallas" and r["status"] == "ok")
+    assert report.ms(pallas["fb_ms"]) in section and report.ms(pallas["fwd_ms"]) in section
+    assert "cpu.png" in section

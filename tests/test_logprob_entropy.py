@@ -1,0 +1,733 @@
+"""`jaxops.logprob_entropy` and `jaxops.staged` against the float64 reference.
+
+The contract is SPEC §2 (semantics, edge cases, errors) and §8 (precision). With
+x = logits / temperature and the float64 numbers taken from
+`implementation="reference"` on the *same input values* upcast to float64:
+
+    log-prob, entropy:  |err| <= 1e-5 * max(1, max_j |x[t, j]|)      (per row)
+    gradient:           ||g - g64|| / ||g64|| <= 1e-5 (fp32), 4e-3 (bf16), 1e-3 (fp16)
+
+and the gradient has the logits' dtype. Gradients are checked through `jax.vjp` with
+random cotangents for both outputs.
+
+Off-GPU, Pallas runs in interpret mode (slow), so the shapes here are small; the
+parameters marked `gpu` add production-size shapes that only run where the kernels are
+compiled for real (`jax.default_backend() == "gpu"`). Nothing else is backend-specific.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from jax.test_util import check_grads
+
+import jaxops
+from jaxops import staged
+
+ON_GPU = jax.default_backend() == "gpu"
+IMPLEMENTATIONS = ("pallas", "xla", "reference")
+FAST = ("pallas", "xla")
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+DTYPES = (F32, BF16, F16)
+VALUE_RTOL = 1e-5
+GRAD_RTOL = {jnp.dtype(F32): 1e-5, jnp.dtype(BF16): 4e-3, jnp.dtype(F16): 1e-3}
+# SPEC §8 states the gradient targets for logits up to |x| = 30. Beyond that an fp32
+# x = logits / tau is itself off by ~eps32 * |x|, which moves the probabilities by as
+# much (relative), so the fp32 part of the allowance grows in proportion to max |x|,
+# as the value bound does.
+X_RANGE = 30.0
+# "mixed" gives every row one of the other four kinds, all four present when T >= 4.
+MASK_KINDS = (None, "random", "none", "target_only", "all", "mixed")
+# Most tests share one shape and temperature, so that their compiled functions are
+# reused (compilation dominates the run time on CPU); the shape-specific tests vary them.
+BASE_LEAD, BASE_V, BASE_TAU = (6,), 300, 0.8
+
+
+def dtype_id(dtype) -> str:
+    return jnp.dtype(dtype).name
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def make_mask(rng, kind, targets: np.ndarray, num_vocab: int, density: float = 0.3):
+    """A `[..., V]` bool keep mask of the given kind (None -> no mask)."""
+    if kind is None:
+        return None
+    shape = (*targets.shape, num_vocab)
+    onehot = np.arange(num_vocab) == targets[..., None]
+    by_kind = {
+        "random": rng.random(shape) < density,
+        "none": np.zeros(shape, bool),  # keeps nothing: only the target counts
+        "target_only": onehot,  # keeps exactly the target
+        "all": np.ones(shape, bool),
+    }
+    if kind == "mixed":
+        names = ("random", "none", "target_only", "all")
+        rows = rng.permutation(np.arange(targets.size) % len(names)).reshape(targets.shape)
+        mask = np.zeros(shape, bool)
+        for i, name in enumerate(names):
+            mask = np.where((rows == i)[..., None], by_kind[name], mask)
+    else:
+        mask = by_kind[kind]
+    return jnp.asarray(mask)
+
+
+def make_inputs(seed, lead_shape, num_vocab, dtype=F32, *, mask=None, scale=3.0,
+                targets_dtype=np.int32):
+    """Random logits (rounded once to `dtype`), in-range targets and a keep mask."""
+    rng = np.random.default_rng(seed)
+    shape = (*lead_shape, num_vocab)
+    logits = jnp.asarray((scale * rng.standard_normal(shape)).astype(np.float32), dtype)
+    targets = rng.integers(0, num_vocab, lead_shape).astype(targets_dtype)
+    return logits, jnp.asarray(targets), make_mask(rng, mask, targets, num_vocab)
+
+
+def random_cotangents(seed, lead_shape):
+    rng = np.random.default_rng(10_000 + seed)
+    return (jnp.asarray(rng.standard_normal(lead_shape), F32),
+            jnp.asarray(rng.standard_normal(lead_shape), F32))
+
+
+def interpret_config(**kwargs):
+    """PallasConfig that runs the kernels compiled on GPU and interpreted elsewhere."""
+    return jaxops.PallasConfig(interpret=not ON_GPU, **kwargs)
+
+
+# -------------------------------------------------------------------------- reference
+
+
+@functools.partial(jax.jit, static_argnames=("temperature",))
+def reference64(logits, targets, keep_mask, g_log_prob, g_entropy, *, temperature):
+    """(log_prob, entropy, d logits) of the float64 reference for cotangents (g_lp, g_H).
+
+    Entropy is always on with its gradient here: the flags of the call under test are
+    checked against the definition (which cotangent reaches the logits), not against the
+    reference's own handling of them.
+    """
+    def op(x):
+        return jaxops.logprob_entropy(x, targets, keep_mask=keep_mask, temperature=temperature,
+                                      implementation="reference")
+
+    (log_prob, entropy), vjp = jax.vjp(op, logits)
+    (grad,) = vjp((g_log_prob.astype(jnp.float64), g_entropy.astype(jnp.float64)))
+    return log_prob, entropy, grad
+
+
+def to_float64(logits):
+    """The same values as float64 (host-side: no compile per input dtype)."""
+    return jnp.asarray(np.asarray(logits).astype(np.float64))
+
+
+def _op_with_vjp(logits, targets, keep_mask, g_log_prob, g_entropy, *, temperature,
+                 with_entropy, entropy_grad, implementation, pallas_config=None):
+    """(log_prob, entropy, d logits) of the op under test for cotangents (g_lp, g_H)."""
+    def op(x):
+        return jaxops.logprob_entropy(
+            x, targets, keep_mask=keep_mask, temperature=temperature,
+            with_entropy=with_entropy, entropy_grad=entropy_grad,
+            implementation=implementation, pallas_config=pallas_config)
+
+    (log_prob, entropy), vjp = jax.vjp(op, logits)
+    (grad,) = vjp((g_log_prob, g_entropy if with_entropy else None))
+    return log_prob, entropy, grad
+
+
+# Module-level, so that equal (shapes, flags) across tests compile once. Inside it the
+# targets are traced: the eager-only range check does not run (see the eager tests).
+op_with_vjp_jit = jax.jit(_op_with_vjp, static_argnames=(
+    "temperature", "with_entropy", "entropy_grad", "implementation", "pallas_config"))
+
+
+def value_bound(logits, temperature):
+    """SPEC §8 per-row bound 1e-5 * max(1, max_j |x|), over the finite x."""
+    x = np.asarray(logits).astype(np.float64) / temperature
+    finite = np.where(np.isfinite(x), np.abs(x), 0.0)
+    return VALUE_RTOL * np.maximum(1.0, finite.max(axis=-1, initial=0.0))
+
+
+def assert_values_close(name, got, want, bound):
+    got = np.asarray(got).astype(np.float64)
+    want = np.asarray(want, np.float64)
+    assert got.shape == want.shape, f"{name}: shape {got.shape}, expected {want.shape}"
+    assert np.all(np.isfinite(want)), f"{name}: the reference itself is not finite"
+    nonfinite = ~np.isfinite(got)
+    assert not nonfinite.any(), (
+        f"{name}: non-finite at rows {np.argwhere(nonfinite)[:5].tolist()}")
+    err = np.abs(got - want)
+    bad = ~(err <= bound)
+    if bad.any():
+        worst = np.unravel_index(np.argmax(err / bound), err.shape)
+        raise AssertionError(
+            f"{name}: {int(bad.sum())} of {bad.size} rows exceed the bound; worst row "
+            f"{tuple(int(i) for i in worst)}: got {got[worst]!r}, want {want[worst]!r}, "
+            f"|err| {err[worst]:.3g} > bound {np.broadcast_to(bound, err.shape)[worst]:.3g}")
+
+
+def grad_rtol(dtype, max_abs_x=0.0):
+    return GRAD_RTOL[jnp.dtype(dtype)] + GRAD_RTOL[jnp.dtype(F32)] * max(
+        0.0, max_abs_x / X_RANGE - 1.0)
+
+
+def largest_abs_x(logits, temperature):
+    x = np.asarray(logits).astype(np.float64) / temperature
+    return float(np.abs(x[np.isfinite(x)]).max(initial=0.0))
+
+
+def assert_grad_close(grad, grad64, dtype, floor=0.0, max_abs_x=0.0):
+    """||g - g64|| <= grad_rtol(dtype, max|x|) * max(||g64||, floor).
+
+    `floor` (about the cotangents' size / temperature) only matters where the exact
+    gradient is ~0, e.g. V = 1, where plain fp32 rounding of g_lp - g_lp is all there is.
+    """
+    assert grad.dtype == jnp.dtype(dtype), f"gradient dtype {grad.dtype}, logits are {dtype}"
+    assert grad.shape == grad64.shape, f"gradient shape {grad.shape}, expected {grad64.shape}"
+    got = np.asarray(grad).astype(np.float64)
+    want = np.asarray(grad64, np.float64)
+    assert np.all(np.isfinite(want)), "the reference gradient itself is not finite"
+    nonfinite = ~np.isfinite(got)
+    assert not nonfinite.any(), f"non-finite gradient at {np.argwhere(nonfinite)[:5].tolist()}"
+    err, norm = np.linalg.norm(got - want), np.linalg.norm(want)
+    rtol = grad_rtol(dtype, max_abs_x)
+    assert err <= rtol * max(norm, floor), (
+        f"gradient ||g - g64|| / ||g64|| = {err / max(norm, 1e-300):.3g} > {rtol:g} "
+        f"(||g64|| = {norm:.3g}, max |g - g64| = {np.max(np.abs(got - want), initial=0):.3g})")
+
+
+class Outputs(NamedTuple):
+    log_prob: jax.Array
+    entropy: jax.Array | None
+    grad: jax.Array
+    reference_grad: np.ndarray
+
+
+def assert_matches_reference(logits, targets, keep_mask, temperature, log_prob, entropy,
+                             grad, g_log_prob, g_entropy, *, with_entropy=True,
+                             entropy_grad=True):
+    """Outputs and the gradient for cotangents (g_lp, g_H) of a call, vs the reference.
+
+    Returns the float64 reference gradient.
+    """
+    lead = tuple(targets.shape)
+    assert log_prob.dtype == F32 and log_prob.shape == lead, (log_prob.dtype, log_prob.shape)
+    if with_entropy:
+        assert entropy is not None, "with_entropy=True must return an entropy"
+        assert entropy.dtype == F32 and entropy.shape == lead, (entropy.dtype, entropy.shape)
+    else:
+        assert entropy is None, "with_entropy=False must return entropy None"
+    # With entropy_grad=False the entropy is a constant: its cotangent reaches nothing.
+    g_entropy_used = g_entropy if (with_entropy and entropy_grad) else jnp.zeros_like(g_log_prob)
+    lp64, h64, grad64 = reference64(to_float64(logits), targets, keep_mask, g_log_prob,
+                                    g_entropy_used, temperature=temperature)
+    bound = value_bound(logits, temperature)
+    assert_values_close("log_prob", log_prob, lp64, bound)
+    if with_entropy:
+        assert_values_close("entropy", entropy, h64, bound)
+    cotangent_scale = float(np.linalg.norm(g_log_prob) + np.linalg.norm(g_entropy))
+    cotangent_scale /= temperature
+    assert_grad_close(grad, grad64, logits.dtype, floor=0.1 * cotangent_scale,
+                      max_abs_x=largest_abs_x(logits, temperature))
+    return grad64
+
+
+def check_against_reference(logits, targets, *, keep_mask=None, temperature=BASE_TAU,
+                            with_entropy=True, entropy_grad=True, implementation,
+                            pallas_config=None, seed=0, jit=True) -> Outputs:
+    """Run one call through `jax.vjp` with random cotangents (under `jax.jit`, or eagerly)
+    and compare it with the float64 reference: values, gradient, dtypes, shapes and
+    entropy None-ness."""
+    g_lp, g_h = random_cotangents(seed, tuple(targets.shape))
+    log_prob, entropy, grad = (op_with_vjp_jit if jit else _op_with_vjp)(
+        logits, targets, keep_mask, g_lp, g_h, temperature=temperature,
+        with_entropy=with_entropy, entropy_grad=entropy_grad, implementation=implementation,
+        pallas_config=pallas_config)
+    grad64 = assert_matches_reference(
+        logits, targets, keep_mask, temperature, log_prob, entropy, grad, g_lp, g_h,
+        with_entropy=with_entropy, entropy_grad=entropy_grad)
+    return Outputs(log_prob, entropy, grad, grad64)
+
+
+# ------------------------------------------------------------- shapes, dtypes, flags
+
+# (lead shape, V, dtype, mask kind, temperature)
+SHAPE_CASES = [
+    ((0,), 7, F32, None, 1.0),  # T = 0
+    ((2, 0), 300, BF16, "random", 0.7),  # T = 0 with leading dims
+    ((1,), 1, F32, None, 1.0),  # T = 1, V = 1: log_prob 0, entropy 0
+    ((1,), 1, F16, "none", 0.5),
+    ((1,), 300, F32, "random", 0.7),
+    ((5,), 7, F32, "mixed", 1.3),
+    ((4,), 513, BF16, "mixed", 0.7),
+    ((2, 3), 300, F16, "random", 2.5),
+    ((2, 3), 7, BF16, None, 0.6),
+]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize(
+    "lead,num_vocab,dtype,mask,temperature", SHAPE_CASES,
+    ids=[f"{'x'.join(map(str, c[0]))}x{c[1]}-{dtype_id(c[2])}-mask_{c[3]}-tau{c[4]}"
+         for c in SHAPE_CASES])
+def test_shapes(implementation, lead, num_vocab, dtype, mask, temperature):
+    """Eager calls (validation, range check, dispatch op by op) on assorted shapes."""
+    logits, targets, keep_mask = make_inputs(0, lead, num_vocab, dtype, mask=mask)
+    check_against_reference(logits, targets, keep_mask=keep_mask, temperature=temperature,
+                            implementation=implementation, jit=False)
+
+
+def test_float64_reference_output_dtype_does_not_depend_on_t():
+    """float64 logits (reference only) give float64 outputs, T = 0 included."""
+    for lead in ((2,), (0,), (2, 0)):
+        logits, targets, _ = make_inputs(0, lead, 7)
+        log_prob, entropy = jaxops.logprob_entropy(
+            to_float64(logits), targets, implementation="reference")
+        assert log_prob.dtype == entropy.dtype == jnp.float64, (lead, log_prob.dtype)
+        assert log_prob.shape == entropy.shape == lead
+
+
+FLAGS = [(True, True), (True, False), (False, True)]  # (with_entropy, entropy_grad)
+FLAG_IDS = ["entropy", "entropy_nograd", "no_entropy"]
+# Every dtype with the default flags, every flag setting with some dtype.
+DTYPE_FLAG_CASES = [
+    pytest.param(dtype, *FLAGS[f], id=f"{dtype_id(dtype)}-{FLAG_IDS[f]}")
+    for dtype, f in ((F32, 0), (F32, 1), (F32, 2), (BF16, 0), (BF16, 1), (F16, 0), (F16, 2))
+]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype,with_entropy,entropy_grad", DTYPE_FLAG_CASES)
+def test_dtypes_and_flags(implementation, dtype, with_entropy, entropy_grad):
+    logits, targets, keep_mask = make_inputs(1, BASE_LEAD, BASE_V, dtype, mask="mixed",
+                                             scale=4.0)
+    check_against_reference(logits, targets, keep_mask=keep_mask, with_entropy=with_entropy,
+                            entropy_grad=entropy_grad, implementation=implementation, seed=1)
+
+
+# Default Pallas tiles: 4096 columns for fp32, 8192 for 16-bit logits.
+# (implementation, lead shape, V, dtype, mask kind, Pallas block_v or None)
+TILE_CASES = [
+    pytest.param("pallas", (2,), 4096 + 37, F32, None, None, id="pallas-4133-f32-full+tail"),
+    pytest.param("pallas", (2,), 8192, F32, "random", None, id="pallas-8192-f32-2tiles"),
+    pytest.param("pallas", (2,), 8192 + 37, BF16, "random", None,
+                 id="pallas-8229-bf16-full+tail"),
+    pytest.param("pallas", (3,), 513, F32, "mixed", 128, id="pallas-513-block128-4tiles+1"),
+    pytest.param("pallas", (3,), 512, BF16, "random", 128, id="pallas-512-block128-4tiles"),
+    pytest.param("xla", (2,), 4096 + 37, F32, "random", None, id="xla-4133-f32"),
+    # Production sizes: only where Pallas is compiled for real.
+    *[pytest.param(impl, lead, v, dtype, mask, None, marks=pytest.mark.gpu,
+                   id=f"gpu-{impl}-{lead[0]}x{v}-{dtype_id(dtype)}-mask_{mask}")
+      for impl in FAST
+      for lead, v, mask in (((8,), 151_936, "random"), ((64,), 32_000, None))
+      for dtype in (F32, BF16)],
+]
+
+
+@pytest.mark.parametrize("implementation,lead,num_vocab,dtype,mask,block_v", TILE_CASES)
+def test_vocab_tiles(implementation, lead, num_vocab, dtype, mask, block_v):
+    """V over one tile, an exact multiple of the tile, and small explicit tiles."""
+    logits, targets, keep_mask = make_inputs(2, lead, num_vocab, dtype, mask=mask, scale=5.0)
+    config = interpret_config(block_v=block_v) if block_v else None
+    check_against_reference(logits, targets, keep_mask=keep_mask, temperature=0.9,
+                            implementation=implementation, pallas_config=config, seed=2)
+
+
+@st.composite
+def random_calls(draw):
+    return dict(
+        seed=draw(st.integers(0, 2**31 - 1)),
+        lead=draw(st.sampled_from([(0,), (1,), (3,), (2, 3), (1, 2, 2)])),
+        num_vocab=draw(st.sampled_from([1, 2, 7, 33, 300, 513])),
+        dtype=draw(st.sampled_from(DTYPES)),
+        mask=draw(st.sampled_from(MASK_KINDS)),
+        scale=draw(st.sampled_from([0.1, 1.0, 4.0, 10.0])),
+        temperature=draw(st.sampled_from([0.3, 0.7, 1.0, 1.6, 4.0])),
+        with_entropy=draw(st.booleans()),
+        entropy_grad=draw(st.booleans()),
+        targets_dtype=draw(st.sampled_from([np.int32, np.int64])),
+        jit=draw(st.booleans()),
+    )
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@settings(max_examples=8, deadline=None)
+@given(call=random_calls())
+def test_random_calls(implementation, call):
+    logits, targets, keep_mask = make_inputs(
+        call["seed"], call["lead"], call["num_vocab"], call["dtype"], mask=call["mask"],
+        scale=call["scale"], targets_dtype=call["targets_dtype"])
+    check_against_reference(
+        logits, targets, keep_mask=keep_mask, temperature=call["temperature"],
+        with_entropy=call["with_entropy"], entropy_grad=call["entropy_grad"],
+        implementation=implementation, seed=call["seed"] % 1000, jit=call["jit"])
+
+
+def test_reference_check_grads_float64():
+    """The reference's own derivatives (JAX autodiff) against finite differences.
+
+    First order, forward and reverse mode, log-prob and entropy together (order 2 works
+    too, but costs seconds of compilation for little more assurance).
+    """
+    logits, targets, keep_mask = make_inputs(3, (4,), 7, mask="mixed")
+    for mask in (None, keep_mask):
+        op = jax.jit(lambda x, mask=mask: jaxops.logprob_entropy(
+            x, targets, keep_mask=mask, temperature=0.8, implementation="reference"))
+        check_grads(op, (to_float64(logits),), order=1, modes=("fwd", "rev"))
+
+
+# --------------------------------------------------------------------------- masks
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("mask", ["none", "target_only"])
+def test_mask_keeps_only_the_target(implementation, mask):
+    """log_prob is 0 and its gradient is 0 on rows whose mask keeps (at most) the target.
+
+    "0" to SPEC §8 precision: 1e-5 * max(1, max|x|) for the value, and 1e-5 of the
+    log-prob gradient's scale |g_lp| / tau for every gradient entry.
+    """
+    logits, targets, keep_mask = make_inputs(4, BASE_LEAD, BASE_V, mask=mask)
+    out = check_against_reference(logits, targets, keep_mask=keep_mask,
+                                  implementation=implementation, seed=4)
+    log_prob = np.asarray(out.log_prob)
+    assert np.all(np.abs(log_prob) <= value_bound(logits, BASE_TAU)), log_prob
+    # ... while the entropy part of the gradient is there (and right, checked above).
+    assert np.linalg.norm(out.reference_grad) > 0.1
+
+    g_lp, _ = random_cotangents(4, BASE_LEAD)
+    _, entropy, grad = op_with_vjp_jit(
+        logits, targets, keep_mask, g_lp, None, temperature=BASE_TAU, with_entropy=False,
+        entropy_grad=True, implementation=implementation)
+    assert entropy is None
+    limit = GRAD_RTOL[jnp.dtype(F32)] * np.abs(np.asarray(g_lp))[:, None] / BASE_TAU
+    assert np.all(np.abs(np.asarray(grad)) <= limit), np.abs(np.asarray(grad)).max(axis=-1)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_entropy_grad_off_gives_log_prob_gradient_only(implementation):
+    """jax.grad through log_prob and entropy with entropy_grad=False."""
+    logits, targets, keep_mask = make_inputs(5, BASE_LEAD, BASE_V, mask="random")
+    g_lp, g_h = random_cotangents(5, BASE_LEAD)
+
+    @jax.jit
+    def grad(x, entropy_weight):
+        def loss(x):
+            log_prob, entropy = jaxops.logprob_entropy(
+                x, targets, keep_mask=keep_mask, temperature=BASE_TAU, entropy_grad=False,
+                implementation=implementation)
+            return jnp.sum(g_lp * log_prob) + entropy_weight * jnp.sum(g_h * entropy)
+
+        return jax.grad(loss)(x)
+
+    with_entropy_term = grad(logits, 1.0)
+    np.testing.assert_array_equal(with_entropy_term, grad(logits, 0.0))
+    _, _, grad64 = reference64(to_float64(logits), targets, keep_mask, g_lp,
+                               jnp.zeros_like(g_h), temperature=BASE_TAU)
+    assert_grad_close(with_entropy_term, grad64, F32)
+    # The entropy gradient that entropy_grad=False drops is not negligible here.
+    _, _, grad64_with_entropy = reference64(to_float64(logits), targets, keep_mask, g_lp, g_h,
+                                            temperature=BASE_TAU)
+    assert np.linalg.norm(grad64_with_entropy - grad64) > 0.1 * np.linalg.norm(grad64)
+
+
+# ------------------------------------------------------------------ extreme logits
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_extreme_logits(implementation, dtype):
+    """±1e4 logits: finite outputs and gradients, within the (scaled) precision bound."""
+    rng = np.random.default_rng(6)
+    logits, targets, keep_mask = make_inputs(6, BASE_LEAD, BASE_V, dtype, mask="mixed")
+    extreme = rng.choice([-1e4, 1e4, 0.0], size=logits.shape, p=[0.3, 0.02, 0.68])
+    extreme[:, 17] = 1e4  # every row holds +1e4 somewhere ...
+    extreme[:, 23] = -1e4
+    targets = targets.at[0].set(23)  # ... and row 0's target sits at -1e4
+    logits = jnp.asarray(np.where(extreme != 0, extreme, np.asarray(logits, np.float32)), dtype)
+    check_against_reference(logits, targets, keep_mask=keep_mask,
+                            implementation=implementation, seed=6)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", (F32, BF16), ids=dtype_id)
+def test_minus_inf_logits_removed_by_the_mask(implementation, dtype):
+    logits, targets, keep_mask = make_inputs(7, BASE_LEAD, BASE_V, dtype, mask="random")
+    rng = np.random.default_rng(7)
+    target_onehot = np.arange(BASE_V) == np.asarray(targets)[:, None]
+    minus_inf = (rng.random(logits.shape) < 0.3) & ~target_onehot
+    minus_inf[3] = ~target_onehot[3]  # a row where only the target is finite
+    logits = jnp.where(minus_inf, -jnp.inf, logits)
+    keep_mask = keep_mask & ~minus_inf
+    out = check_against_reference(logits, targets, keep_mask=keep_mask,
+                                  implementation=implementation, seed=7)
+    assert np.all(np.asarray(out.grad)[minus_inf] == 0)
+    np.testing.assert_allclose(np.asarray(out.entropy)[3], 0.0, atol=1e-6)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("dtype", (F32, BF16), ids=dtype_id)
+def test_kept_logits_far_below_the_row_max(implementation, dtype):
+    """Max 1e4 outside the mask, kept logits around 0: the masked log-prob must not
+    underflow. Checked to 1e-5 * max(1, max |kept x|), far tighter than the row bound."""
+    rng = np.random.default_rng(8)
+    logits, targets, keep_mask = make_inputs(8, BASE_LEAD, BASE_V, dtype, mask="random",
+                                             scale=1.0)
+    target_onehot = np.arange(BASE_V) == np.asarray(targets)[:, None]
+    free = ~np.asarray(keep_mask) & ~target_onehot
+    far = (rng.random(logits.shape) < 0.05) & free
+    far[np.arange(len(far)), np.argmax(free, axis=-1)] = True  # at least one per row
+    logits = jnp.where(far, 1e4, logits)
+    out = check_against_reference(logits, targets, keep_mask=keep_mask,
+                                  implementation=implementation, seed=8)
+    lp64, _, _ = reference64(to_float64(logits), targets, keep_mask,
+                             *random_cotangents(8, BASE_LEAD), temperature=BASE_TAU)
+    assert np.all(np.asarray(lp64) > -20), "the test data should give moderate log-probs"
+    kept_x = np.where(np.asarray(keep_mask) | target_onehot,
+                      np.abs(np.asarray(logits).astype(np.float64)) / BASE_TAU, 0)
+    assert_values_close("masked log_prob", out.log_prob, lp64,
+                        VALUE_RTOL * np.maximum(1.0, kept_x.max(axis=-1)))
+
+
+# --------------------------------------------------------------- bad calls, targets
+
+
+def _bad_call_cases():
+    x = jnp.zeros((3, 7), F32)
+    t = jnp.zeros((3,), jnp.int32)
+    m = jnp.zeros((3, 7), bool)
+    return [
+        ("logits-list", dict(logits=[[0.0] * 7] * 3), TypeError, "logits"),
+        ("logits-int", dict(logits=jnp.zeros((3, 7), jnp.int32)), TypeError, "logits"),
+        ("logits-0d", dict(logits=jnp.float32(1.0), targets=jnp.zeros((), jnp.int32)),
+         ValueError, "logits"),
+        ("logits-V0", dict(logits=jnp.zeros((3, 0), F32)), ValueError, "logits"),
+        ("logits-f64-pallas", dict(logits=x.astype(jnp.float64), implementation="pallas"),
+         TypeError, "logits"),
+        ("logits-f64-xla", dict(logits=x.astype(jnp.float64), implementation="xla"),
+         TypeError, "logits"),
+        ("logits-f64-default", dict(logits=x.astype(jnp.float64), implementation=None),
+         TypeError, "logits"),
+        ("targets-list", dict(targets=[0, 0, 0]), TypeError, "targets"),
+        ("targets-float", dict(targets=t.astype(F32)), TypeError, "targets"),
+        ("targets-bool", dict(targets=t.astype(bool)), TypeError, "targets"),
+        ("targets-short", dict(targets=jnp.zeros((4,), jnp.int32)), ValueError, "targets"),
+        ("targets-rank", dict(targets=jnp.zeros((3, 1), jnp.int32)), ValueError, "targets"),
+        ("mask-shape", dict(keep_mask=m[:, :6]), ValueError, "keep_mask"),
+        ("mask-rank", dict(keep_mask=m[None]), ValueError, "keep_mask"),
+        ("mask-int", dict(keep_mask=m.astype(jnp.int32)), TypeError, "keep_mask"),
+        ("mask-float", dict(keep_mask=m.astype(F32)), TypeError, "keep_mask"),
+        ("mask-list", dict(keep_mask=[[True] * 7] * 3), TypeError, "keep_mask"),
+        ("temperature-0", dict(temperature=0.0), ValueError, "temperature"),
+        ("temperature-negative", dict(temperature=-1.0), ValueError, "temperature"),
+        ("temperature-nan", dict(temperature=float("nan")), ValueError, "temperature"),
+        ("temperature-inf", dict(temperature=float("inf")), ValueError, "temperature"),
+        ("temperature-bool", dict(temperature=True), TypeError, "temperature"),
+        ("temperature-str", dict(temperature="1.0"), TypeError, "temperature"),
+        ("temperature-vector", dict(temperature=jnp.ones((2,))), TypeError, "temperature"),
+        ("implementation", dict(implementation="cuda"), ValueError, "implementation"),
+        ("with_entropy-int", dict(with_entropy=1), TypeError, "with_entropy"),
+        ("with_entropy-None", dict(with_entropy=None), TypeError, "with_entropy"),
+        ("entropy_grad-str", dict(entropy_grad="yes"), TypeError, "entropy_grad"),
+        ("reference-axis_name", dict(implementation="reference", axis_name="vocab"),
+         ValueError, "axis_name"),
+    ], dict(logits=x, targets=t)
+
+
+_BAD_CALLS, _GOOD_CALL = _bad_call_cases()
+
+
+@pytest.mark.parametrize("kwargs,error,argument", [c[1:] for c in _BAD_CALLS],
+                         ids=[c[0] for c in _BAD_CALLS])
+def test_bad_calls_raise_naming_the_argument(kwargs, error, argument):
+    call = {"implementation": "xla", **_GOOD_CALL, **kwargs}
+    with pytest.raises(error, match=argument):
+        jaxops.logprob_entropy(call.pop("logits"), call.pop("targets"), **call)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_traced_temperature_is_rejected(implementation):
+    logits, targets, _ = make_inputs(9, (3,), 7)
+    op = jax.jit(lambda x, tau: jaxops.logprob_entropy(
+        x, targets, temperature=tau, implementation=implementation))
+    with pytest.raises(TypeError, match="temperature"):
+        op(logits, 0.7)
+
+
+def test_concrete_temperature_forms_are_accepted():
+    logits, targets, _ = make_inputs(9, (3,), 7)
+    results = [jaxops.logprob_entropy(logits, targets, temperature=tau, implementation="xla")
+               for tau in (0.7, np.float32(0.7), np.float64(0.7), jnp.asarray(0.7), 7 / 10)]
+    for log_prob, entropy in results[1:]:
+        np.testing.assert_allclose(log_prob, results[0][0], rtol=1e-6)
+        np.testing.assert_allclose(entropy, results[0][1], rtol=1e-6)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("lead,bad_row,bad_value", [((6,), (4,), 300), ((2, 3), (1, 2), -1)],
+                         ids=["1d-too-large", "2d-negative"])
+def test_out_of_range_targets_raise_eagerly(implementation, lead, bad_row, bad_value):
+    logits, targets, keep_mask = make_inputs(10, lead, 300, mask="random")
+    targets = targets.at[bad_row].set(bad_value)
+    row = str(bad_row[0]) if len(bad_row) == 1 else str(bad_row)
+    with pytest.raises(ValueError, match=rf"targets.*{re.escape(row)}: {bad_value}"):
+        jaxops.logprob_entropy(logits, targets, keep_mask=keep_mask,
+                               implementation=implementation)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("mask", [None, "random"], ids=["nomask", "mask"])
+def test_out_of_range_targets_give_nan_under_jit(implementation, mask):
+    """Only the bad rows' log-prob is NaN; everything else stays finite and right."""
+    logits, good_targets, keep_mask = make_inputs(11, BASE_LEAD, BASE_V, mask=mask)
+    bad = np.zeros(BASE_LEAD, bool)
+    bad[[1, 4]] = True
+    targets = good_targets.at[1].set(BASE_V).at[4].set(-1)
+    g_lp, g_h = random_cotangents(11, BASE_LEAD)
+    log_prob, entropy, grad = op_with_vjp_jit(  # targets are traced inside
+        logits, targets, keep_mask, g_lp, g_h, temperature=BASE_TAU, with_entropy=True,
+        entropy_grad=True, implementation=implementation)
+    assert np.all(np.isnan(np.asarray(log_prob)[bad])), "out-of-range rows must be NaN"
+    assert np.all(np.isfinite(np.asarray(log_prob)[~bad])), "NaN leaked into valid rows"
+    assert np.all(np.isfinite(np.asarray(grad)[~bad])), "NaN leaked into valid rows' gradient"
+    lp64, h64, _ = reference64(to_float64(logits), good_targets, keep_mask, g_lp, g_h,
+                               temperature=BASE_TAU)
+    bound = value_bound(logits, BASE_TAU)
+    assert_values_close("log_prob (valid rows)", np.asarray(log_prob)[~bad],
+                        np.asarray(lp64)[~bad], bound[~bad])
+    # The entropy does not depend on the target: every row keeps its value.
+    assert_values_close("entropy", entropy, h64, bound)
+
+
+# ------------------------------------------------------------- transformations
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_vmap_equals_unbatched_calls(implementation):
+    logits, targets, keep_mask = make_inputs(13, (3, 2), 300, mask="mixed")
+    g_lp, g_h = random_cotangents(13, (3, 2))
+    value_and_grad = functools.partial(
+        _op_with_vjp, temperature=0.7, with_entropy=True, entropy_grad=True,
+        implementation=implementation)
+
+    batched = jax.jit(jax.vmap(value_and_grad))(logits, targets, keep_mask, g_lp, g_h)
+    single = jax.jit(value_and_grad)
+    for b in range(logits.shape[0]):
+        for name, got, want in zip(("log_prob", "entropy", "grad"), batched,
+                                   single(logits[b], targets[b], keep_mask[b], g_lp[b], g_h[b])):
+            np.testing.assert_allclose(got[b], want, rtol=1e-6, atol=1e-6, err_msg=name)
+    # ... and the batched results are right, not just consistent.
+    assert_matches_reference(logits, targets, keep_mask, 0.7, *batched, g_lp, g_h)
+
+
+def test_default_implementation():
+    expected = "pallas" if ON_GPU else "xla"
+    assert jaxops.default_implementation() == expected
+    logits, targets, _ = make_inputs(14, (3,), 7)
+
+    def jaxpr(implementation):
+        return str(jax.make_jaxpr(lambda x: jaxops.logprob_entropy(
+            x, targets, implementation=implementation))(logits))
+
+    assert ("pallas_call" in jaxpr(None)) == ON_GPU
+    assert "pallas_call" in jaxpr("pallas")
+    assert "pallas_call" not in jaxpr("xla")
+    default = jaxops.logprob_entropy(logits, targets)
+    explicit = jaxops.logprob_entropy(logits, targets, implementation=expected)
+    for got, want in zip(default, explicit):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("implementation", FAST)
+def test_without_x64(implementation):
+    """The op as most callers run it: jax_enable_x64 off, int32 targets."""
+    logits, targets, keep_mask = make_inputs(15, BASE_LEAD, BASE_V, mask="random")
+    g_lp, g_h = random_cotangents(15, BASE_LEAD)
+    with jax.enable_x64(False):
+        outputs = op_with_vjp_jit(logits, targets, keep_mask, g_lp, g_h, temperature=BASE_TAU,
+                                  with_entropy=True, entropy_grad=True,
+                                  implementation=implementation)
+    assert_matches_reference(logits, targets, keep_mask, BASE_TAU, *outputs, g_lp, g_h)
+
+
+# ---------------------------------------------------------------------- staged API
+
+
+def run_staged(logits, targets, keep_mask, num_shards, *, temperature, with_entropy,
+               entropy_grad, backend, g_lp, g_h):
+    """The staged protocol with `num_shards` vocabulary slices in one process."""
+    num_vocab = logits.shape[-1] // num_shards
+    config = interpret_config() if backend == "pallas" else ()
+    cols = [slice(r * num_vocab, (r + 1) * num_vocab) for r in range(num_shards)]
+    shard_logits = [logits[:, c] for c in cols]
+    shard_masks = [None if keep_mask is None else keep_mask[:, c] for c in cols]
+    common = dict(inv_tau=1.0 / temperature, with_entropy=with_entropy, backend=backend,
+                  config=config)
+    packed = [staged.local_forward(shard_logits[r], targets, shard_masks[r], r, **common)
+              for r in range(num_shards)]
+    num_rows = staged.num_packed(with_entropy, keep_mask is not None)
+    for p in packed:
+        assert p.shape == (num_rows, targets.shape[0]) and p.dtype == F32
+    gathered = jnp.stack(packed)
+    log_prob, entropy = staged.combine_gathered(
+        gathered, targets, num_vocab=num_vocab, with_entropy=with_entropy,
+        masked=keep_mask is not None)
+    grads = [staged.local_backward(shard_logits[r], targets, shard_masks[r], gathered, r,
+                                   g_lp, g_h if with_entropy else None,
+                                   entropy_grad=entropy_grad, **common)
+             for r in range(num_shards)]
+    return log_prob, entropy, jnp.concatenate(grads, axis=-1)
+
+
+def staged_inputs(mask, dtype=F32):
+    logits, targets, keep_mask = make_inputs(
+        16, BASE_LEAD, BASE_V, dtype, mask=None if mask == "first_quarter" else mask)
+    if mask == "first_quarter":
+        # Only the first quarter of the vocabulary can be kept, so with 4 shards the
+        # others hold no kept token (and, in most rows, not the target either).
+        keep = np.random.default_rng(16).random(logits.shape) < 0.3
+        keep[:, BASE_V // 4:] = False
+        keep_mask = jnp.asarray(keep)
+    return logits, targets, keep_mask
+
+
+def check_staged(backend, num_shards, mask, with_entropy=True, entropy_grad=True, dtype=F32):
+    logits, targets, keep_mask = staged_inputs(mask, dtype)
+    g_lp, g_h = random_cotangents(16, BASE_LEAD)
+    outputs = run_staged(logits, targets, keep_mask, num_shards, temperature=BASE_TAU,
+                         with_entropy=with_entropy, entropy_grad=entropy_grad,
+                         backend=backend, g_lp=g_lp, g_h=g_h)
+    assert_matches_reference(logits, targets, keep_mask, BASE_TAU, *outputs, g_lp, g_h,
+                             with_entropy=with_entropy, entropy_grad=entropy_grad)
+
+
+STAGED_BACKENDS = [
+    "xla",
+    # Interpreted Pallas is slow: on CPU, test_staged_pallas covers it at 4 shards.
+    pytest.param("pallas", marks=pytest.mark.gpu),
+]
+
+
+@pytest.mark.parametrize("backend", STAGED_BACKENDS)
+@pytest.mark.parametrize("num_shards", [1, 2, 4])
+@pytest.mark.parametrize("mask", [None, "mixed", "first_quarter"])
+def test_staged(backend, num_shards, mask):
+    check_staged(backend, num_shards, mask)
+
+
+@pytest.mark.parametrize("backend", STAGED_BACKENDS)
+@pytest.mark.parametrize("num_shards", [2, 4])
+@pytest.mark.parametrize("with_entropy,entropy_grad", FLAGS[1:], ids=FLAG_IDS[1:])
+def test_staged_flags(backend, num_shards, with_entropy, entropy_grad):
+    check_staged(backend, num_shards, "mixed", with_entropy, entropy_grad)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
+def test_staged_pallas(dtype):
+    check_staged("pallas", 4, "first_quarter", dtype=dtype)

@@ -153,14 +153,14 @@ def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_ent
 
     def fold(tile, acc):
         raw, keep = tile
-        row_max, sum_vec, shifted_vec, masked_vec, kept_count = acc
+        row_max, sum_vec, shifted_vec, masked_vec, any_kept = acc
         row_max, sum_vec, shifted_vec, rescale, exp_d = _online_update(
             row_max, sum_vec, shifted_vec, raw, inv_tau, config)
         if masked:
             masked_vec = masked_vec * rescale + jnp.where(keep, exp_d, 0.0)
-            # A float count (exact below 2^24), not any(): Triton lowering has no reduce_or.
-            kept_count = kept_count + jnp.where(keep, 1.0, 0.0)
-        return row_max, sum_vec, shifted_vec, masked_vec, kept_count
+            # An int max, not `|`: Triton lowering has no reduce_or for the final any().
+            any_kept = jnp.maximum(any_kept, keep.astype(jnp.int32))
+        return row_max, sum_vec, shifted_vec, masked_vec, any_kept
 
     def stream(fold, acc):
         if config.prefetch and num_full > 0:
@@ -179,8 +179,8 @@ def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_ent
 
     acc = (neg, zeros, zeros if with_entropy else None,
            zeros if masked else None,
-           zeros if masked else None)
-    row_max, sum_vec, shifted_vec, masked_vec, kept_count = stream(fold, acc)
+           jnp.zeros((block_v,), jnp.int32) if masked else None)
+    row_max, sum_vec, shifted_vec, masked_vec, any_kept = stream(fold, acc)
 
     empty = row_max <= NEG  # no finite logit in this row
     max_x = jnp.where(empty, -jnp.inf, row_max * inv_tau)
@@ -197,16 +197,11 @@ def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_ent
         return
 
     # The target always counts as kept; add it here if its mask bit is off.
-    target_bit = mask_ref[safe_target]
-    target_alone = on_shard & jnp.logical_not(target_bit)
+    target_alone = on_shard & jnp.logical_not(mask_ref[safe_target])
     target_exp = jnp.exp2(jnp.maximum(raw_target, _EXCLUDED) * (inv_tau * _LOG2E)
                           + _neg_reference(row_max * inv_tau))
     shared_sum = jnp.sum(masked_vec) + jnp.where(target_alone, target_exp, 0.0)
-    num_kept = jnp.sum(kept_count)
-    anything_kept = (num_kept > 0) | on_shard
-    # Kept set = {target}: the statistics are exactly (x_y, 1), so log_prob is
-    # exactly 0 rather than 0 up to the rounding of the shared exponentials.
-    only_target = on_shard & ((num_kept == 0) | ((num_kept == 1) & target_bit))
+    anything_kept = (jnp.max(any_kept) > 0) | on_shard
 
     def exact_pass():
         def fold_kept(tile, acc):
@@ -228,11 +223,11 @@ def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_ent
         return (jnp.where(anything_kept & ~empty, max_x, -jnp.inf),
                 jnp.where(anything_kept & ~empty, shared_sum, 0.0))
 
-    needs_exact = anything_kept & ~empty & ~only_target & (shared_sum < _SHARED_MASKED_MIN)
+    needs_exact = anything_kept & ~empty & (shared_sum < _SHARED_MASKED_MIN)
     masked_max, masked_sum = lax.cond(needs_exact, exact_pass, shared_result)
     masked_max_ref, masked_sum_ref = out_refs
-    masked_max_ref[...] = jnp.where(only_target, raw_target * inv_tau, masked_max)
-    masked_sum_ref[...] = jnp.where(only_target, 1.0, masked_sum)
+    masked_max_ref[...] = masked_max
+    masked_sum_ref[...] = masked_sum
 
 
 def _row_spec():

@@ -7,8 +7,13 @@ each, one device sync per repeat), for:
 
   jax         one jitted `jax.vjp` of `jaxops.logprob_entropy` on JAX arrays (1 dispatch)
   jax-staged  the bridge's own jitted JAX functions on JAX arrays (fwd + bwd dispatches)
-  bridge      bridge.logprob_entropy + torch.autograd.grad on torch tensors (eager route)
-  bridge+chk  the same with check_targets=True (reads min/max of the targets: 1 sync)
+  bridge      bridge.logprob_entropy + torch.autograd.grad on torch tensors (eager route,
+              check_targets=False)
+  bridge-fwd  the forward alone, no autograd graph (inference)
+  bridge+chk  the same with check_targets=True on a fresh targets tensor each call (reads
+              min/max of the targets: 1 sync; includes a clone of the targets, whose
+              own cost is the bridge(+clone) column minus bridge)
+  bridge+chk(cached)  check_targets=True on the same, unmodified targets (checked once)
   bridge-op   the torch.library custom-op route in eager mode
   compiled    torch.compile(fullgraph=True) of forward + loss, then autograd.grad
               (includes the loss' own small kernels)
@@ -74,7 +79,9 @@ def breakdown(device, calls):
     y64 = torch.randint(0, 1024, (64,), device=device)
     res["fast_path"] = dev.fast
     xfer = dev.begin()
-    res["import_fast"] = timeit(lambda: xfer.to_jax(x), device, calls)
+    res["begin+first_import(stream)"] = timeit(lambda: dev.begin().to_jax(x), device, calls)
+    xfer.to_jax(x)  # consumes the stream: the following imports are "later" imports
+    res["import_fast(later)"] = timeit(lambda: xfer.to_jax(x), device, calls)
     res["import_public_jax.dlpack.from_dlpack"] = timeit(
         lambda: jax.dlpack.from_dlpack(x), device, calls)
     res["import_int64_public(x64 convert)"] = timeit(
@@ -89,6 +96,11 @@ def breakdown(device, calls):
     res["begin(transfer)"] = timeit(dev.begin, device, calls)
     f = jax.jit(lambda a: a + 1)
     res["jit_dispatch_trivial"] = timeit(lambda: f(ja), device, calls)
+    g = jax.jit(lambda a: a[0, 0] + 1)
+    owned = jnp.array(xfer.to_jax(x))
+    res["jit_on_owned_[64,1024]"] = timeit(lambda: g(owned), device, calls)
+    res["jit_on_fresh_import(begin+import+dispatch)"] = timeit(
+        lambda: g(dev.begin().to_jax(x)), device, calls)
     res["targets_range_check(sync)"] = timeit(
         lambda: op.check_targets_in_range(y64, 1024), device, calls)
     return res
@@ -166,14 +178,22 @@ def scenario(device, T, V, dtype, with_entropy, calls, impl, do_compile, do_naiv
     res["jax-staged"] = timeit(staged, device, calls)
 
     # --- the bridge ------------------------------------------------------------------
-    def bridge_call(check=False):
-        lp, h = bridge.logprob_entropy(x, y, with_entropy=with_entropy, implementation=impl,
+    def bridge_call(check=False, fresh_targets=False):
+        yy = y.clone() if fresh_targets else y  # a new tensor defeats the check's cache
+        lp, h = bridge.logprob_entropy(x, yy, with_entropy=with_entropy, implementation=impl,
                                        check_targets=check)
         outs, grads = ([lp, h], [g1, g2]) if with_entropy else ([lp], [g1])
         return torch.autograd.grad(outs, x, grads)
 
     res["bridge"] = timeit(bridge_call, device, calls)
-    res["bridge+chk"] = timeit(lambda: bridge_call(True), device, calls)
+    res["bridge-fwd"] = timeit(  # inference forward (no graph)
+        lambda: bridge.logprob_entropy(x.detach(), y, with_entropy=with_entropy,
+                                       implementation=impl, check_targets=False),
+        device, calls)
+    res["bridge+chk"] = timeit(lambda: bridge_call(True, fresh_targets=True), device, calls)
+    res["bridge+chk(cached)"] = timeit(lambda: bridge_call(True), device, calls)
+    res["bridge(+clone)"] = timeit(lambda: bridge_call(False, fresh_targets=True), device,
+                                   calls)
     op.USE_CUSTOM_OP_IN_EAGER = True
     try:
         res["bridge-op"] = timeit(bridge_call, device, calls)
@@ -257,9 +277,11 @@ def main():
     if not args.quick and device.type == "cuda":
         shapes += [(1024, 151936, torch.bfloat16), (8192, 151936, torch.bfloat16),
                    (8192, 151936, torch.float32)]
-    cols = ["jax", "jax-staged", "bridge", "bridge+chk", "bridge-op", "compiled", "naive"]
-    print(f"{'T':>5} {'V':>7} {'dtype':>9} {'ent':>3} " + " ".join(f"{c:>10}" for c in cols)
-          + f" {'overhead':>9} {'vs staged':>9}  (us per fwd+bwd call)", flush=True)
+    cols = ["jax", "jax-staged", "bridge", "bridge-fwd", "bridge+chk", "bridge+chk(cached)",
+            "bridge(+clone)", "bridge-op", "compiled", "naive"]
+    header = " ".join(f"{c:>{max(10, len(c))}}" for c in cols)
+    print(f"{'T':>5} {'V':>7} {'dtype':>9} {'ent':>3} {header} {'overhead':>9} {'vs staged':>9}"
+          "  (us per fwd+bwd call)", flush=True)
     for T, V, dtype in shapes:
         for with_entropy in (True, False):
             small = T * V <= 256 * 32768
@@ -269,7 +291,8 @@ def main():
                          do_naive=small)
             results["scenarios"].append(r)
             print(f"{T:5d} {V:7d} {r['dtype']:>9} {int(with_entropy):3d} "
-                  + " ".join(f"{r[c]:10.1f}" if c in r else f"{'-':>10}" for c in cols)
+                  + " ".join(f"{r[c]:{max(10, len(c))}.1f}" if c in r
+                           else f"{'-':>{max(10, len(c))}}" for c in cols)
                   + f" {r['overhead_vs_jax']:9.1f} {r['overhead_vs_staged']:9.1f}"
                   + f"   new-T first call {r['new_T_first_call_ms']:.0f} ms"
                   + (f", torch.compile {r['compile_s']:.1f} s" if "compile_s" in r else ""),

@@ -1,0 +1,80 @@
+"""The JAX side of the bridge: one jitted function per static configuration.
+
+Each function closes over everything static (shard index, temperature, flags,
+backend, launch config), so a call is a plain `jit` dispatch on arrays -- the
+C++ fast path, no hashing of Python objects, no retracing. New shapes compile
+once each (per distinct `T`, `V_loc`, dtype).
+
+Targets arrive as torch stores them. int64 ids are passed as their raw bytes,
+viewed as int32 pairs by torch (no copy, no JAX x64 conversion), and decoded
+here: the low word when the high word is its sign extension, else -1 (out of
+range, so that row's log-prob is NaN rather than a wrapped-around id).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxops import staged
+
+
+def decode_targets(raw, mode: str):
+    if mode == "i32":
+        return raw
+    pairs = raw.reshape(-1, 2)  # little-endian int64 -> (low, high) int32 words
+    low, high = pairs[:, 0], pairs[:, 1]
+    return jnp.where(high == (low >> 31), low, -1)
+
+
+@functools.lru_cache(maxsize=None)
+def local_forward(*, shard_index, world, inv_tau, with_entropy, masked, backend, config,
+                  target_mode):
+    """world == 1: (log_prob, entropy | None, stats [1, K, T]); else packed stats [K, T]."""
+
+    def fn(logits, raw_targets, keep_mask):
+        targets = decode_targets(raw_targets, target_mode)
+        packed = staged.local_forward(
+            logits, targets, keep_mask if masked else None, shard_index, inv_tau=inv_tau,
+            with_entropy=with_entropy, backend=backend, config=config)
+        if world > 1:
+            return packed
+        gathered = packed[None]
+        log_prob, entropy = staged.combine_gathered(
+            gathered, targets, num_vocab=logits.shape[-1], with_entropy=with_entropy,
+            masked=masked)
+        return log_prob, entropy, gathered
+
+    return jax.jit(fn)
+
+
+@functools.lru_cache(maxsize=None)
+def combine(*, num_vocab, with_entropy, masked, target_mode):
+    """All shards' stats [R, K, T] -> (log_prob, entropy | None)."""
+
+    def fn(gathered, raw_targets):
+        return staged.combine_gathered(
+            gathered, decode_targets(raw_targets, target_mode), num_vocab=num_vocab,
+            with_entropy=with_entropy, masked=masked)
+
+    return jax.jit(fn)
+
+
+@functools.lru_cache(maxsize=None)
+def local_backward(*, shard_index, inv_tau, with_entropy, entropy_grad, masked, has_d_log_prob,
+                   has_d_entropy, backend, config, target_mode):
+    """d loss / d logits of this shard, no collective."""
+
+    def fn(logits, raw_targets, keep_mask, gathered, d_log_prob, d_entropy):
+        targets = decode_targets(raw_targets, target_mode)
+        if not has_d_log_prob:
+            d_log_prob = jnp.zeros(targets.shape, jnp.float32)
+        return staged.local_backward(
+            logits, targets, keep_mask if masked else None, gathered, shard_index,
+            d_log_prob, d_entropy if has_d_entropy else None, inv_tau=inv_tau,
+            with_entropy=with_entropy, entropy_grad=entropy_grad, backend=backend,
+            config=config)
+
+    return jax.jit(fn)

@@ -1,0 +1,445 @@
+"""Scenario checks for the PyTorch bridge, shared by the CPU and CUDA tests.
+
+One scenario = one call of the bridge on this rank's vocabulary shard, checked against
+  * a float64 torch reference of SPEC section 2 on the full (unsharded) logits: values,
+    log-prob gradient, entropy gradient, combined gradient;
+  * Megatron-core's `fused_vocab_parallel_cross_entropy` (unmasked, temperature 1):
+    -loss vs log-prob, and its gradient vs ours after casting both to bf16;
+and for the invariants: output shapes/dtypes, gradient dtype, no input modified.
+
+`worker(rank, world, ...)` runs every scenario on one rank of a spawned group (gloo on CPU,
+NCCL on CUDA) and writes the failures to a JSON file, so that all TP scenarios of one world
+size share one process start-up (importing torch + jax + megatron takes seconds).
+Nothing heavy is imported at module level: spawned children import this module first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import socket
+import time
+import traceback
+import zlib
+
+T_TOKENS = 7
+V_LOCAL = 13  # columns per shard: not a power of two, not a multiple of any tile
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    dtype: str  # "float32" | "bfloat16" | "float16"
+    masked: bool
+    entropy: str  # "off" | "fwd" (no gradient) | "grad"
+    api: str = "slime"  # "slime" (calculate_log_probs_and_entropy) | "bridge"
+    chunk_size: int = -1  # slime only
+    temperature: float = 1.0  # bridge only
+
+    @property
+    def name(self):
+        extra = f"chunk{self.chunk_size}" if self.api == "slime" else f"tau{self.temperature}"
+        return (f"{self.api}-{self.dtype}-{'mask' if self.masked else 'nomask'}-"
+                f"ent_{self.entropy}-{extra}")
+
+
+def scenarios(full: bool = True) -> list[Scenario]:
+    """full: every dtype x mask x entropy mode x chunking through the slime drop-in, plus
+    temperature and float16 through bridge.logprob_entropy. Not full (for TP = 4, where
+    four processes compile everything): float32 keeps every mask x entropy x chunking
+    combination, bfloat16 two of them -- each new dtype/mask/entropy combination costs a
+    JAX compile per process, chunking costs nothing."""
+    out = []
+    for dtype in ("float32", "bfloat16"):
+        for masked in (False, True):
+            for entropy in ("off", "fwd", "grad"):
+                for chunk in (-1, 3):
+                    if full or dtype == "float32" or (masked, entropy, chunk) in (
+                            (False, "grad", -1), (True, "off", 3)):
+                        out.append(Scenario(dtype, masked, entropy, "slime", chunk))
+    out += [Scenario("float32", False, "grad", "bridge", temperature=0.7),
+            Scenario("float16", True, "grad", "bridge", temperature=1.3),
+            Scenario("bfloat16", True, "fwd", "bridge", temperature=0.7)]
+    return out
+
+
+# ---------------------------------------------------------------------------
+# inputs and references
+# ---------------------------------------------------------------------------
+
+def make_inputs(sc: Scenario, world: int, device, seed: int = 0):
+    """Full-vocabulary inputs, identical on every rank."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed * 1000 + zlib.crc32(sc.name.encode()) % 997)
+    T, V = T_TOKENS, world * V_LOCAL
+    dtype = getattr(torch, sc.dtype)
+    x = (torch.randn(T, V, generator=gen) * 2.0).to(dtype)
+    y = torch.randint(0, V, (T,), generator=gen)
+    y[0] = 0  # first shard
+    y[1] = V - 1  # last shard
+    mask = None
+    if sc.masked:
+        mask = torch.rand(T, V, generator=gen) < 0.3
+        mask[2] = False  # only the target counts: log_prob = 0
+        mask[3, y[3]] = False  # the target counts even with its bit off
+        # a -inf logit the mask removes (allowed, SPEC section 2)
+        col = (int(y[4]) + 1) % V
+        mask[4, col] = False
+        x[4, col] = float("-inf")
+    g_lp = torch.randn(T, generator=gen)
+    g_h = torch.randn(T, generator=gen)
+    mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return mv(x), mv(y), mv(mask), mv(g_lp), mv(g_h)
+
+
+def reference(x, y, mask, tau):
+    """float64 log_prob and entropy of SPEC section 2 (differentiable in x)."""
+    import torch
+
+    z = x.double() / tau
+    lse = torch.logsumexp(z, -1)
+    target = z.gather(1, y[:, None])[:, 0]
+    if mask is None:
+        log_prob = target - lse
+    else:
+        kept = mask.clone()
+        kept[torch.arange(len(y)), y] = True
+        log_prob = target - torch.logsumexp(torch.where(kept, z, float("-inf")), -1)
+    log_p = z - lse[:, None]
+    p = log_p.exp()
+    entropy = -(p * torch.where(p > 0, log_p, torch.zeros_like(log_p))).sum(-1)
+    return log_prob, entropy
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    den = b.norm()
+    return float((a - b).norm() / den) if den > 0 else float((a - b).norm())
+
+
+def grad_tol(dtype) -> float:
+    """SPEC section 8: 1e-5 relative for fp32 gradients, about one rounding otherwise."""
+    return {"float32": 1e-5, "bfloat16": 4e-3, "float16": 1e-3}[dtype]
+
+
+def load_megatron():
+    """Megatron's fused CE, with its torch.compile fuser switched off (same math, eager:
+    compiling it with inductor on a CPU would take minutes)."""
+    import megatron.core.jit as mjit
+
+    mjit.disable_jit_fuser()
+    from megatron.core.fusions import fused_cross_entropy as fce
+
+    return fce.fused_vocab_parallel_cross_entropy
+
+
+# ---------------------------------------------------------------------------
+# one scenario
+# ---------------------------------------------------------------------------
+
+def run_scenario(sc: Scenario, *, group, meg_group, rank: int, world: int, device,
+                 megatron=None, seed: int = 0):
+    """Raise AssertionError (naming what failed) unless the bridge matches."""
+    import torch
+
+    import bridge
+
+    x_full, y, mask_full, g_lp, g_h = make_inputs(sc, world, device, seed)
+    cols = slice(rank * V_LOCAL, (rank + 1) * V_LOCAL)
+    x = x_full[:, cols].contiguous().requires_grad_()
+    mask = None if mask_full is None else mask_full[:, cols].contiguous()
+    snapshot = [t.clone() for t in (x.detach(), y) + ((mask,) if mask is not None else ())]
+    with_entropy = sc.entropy != "off"
+    entropy_grad = sc.entropy == "grad"
+    tau = sc.temperature
+
+    def call():
+        if sc.api == "slime":
+            lp, h = bridge.calculate_log_probs_and_entropy(
+                x, y, group, with_entropy=with_entropy, chunk_size=sc.chunk_size,
+                log_prob_keep_mask=mask, with_entropy_grad=entropy_grad)
+            assert lp.shape == (T_TOKENS, 1), f"slime log_prob shape {tuple(lp.shape)}"
+            return lp[:, 0], h
+        return bridge.logprob_entropy(
+            x, y, process_group=group, keep_mask=mask, temperature=tau,
+            with_entropy=with_entropy, entropy_grad=entropy_grad)
+
+    lp, h = call()
+    # --- reference on the full vocabulary, float64 --------------------------------
+    xr = x_full.double().requires_grad_()
+    lp_ref, h_ref = reference(xr, y, mask_full, tau)
+    finite = x_full[torch.isfinite(x_full)].float()
+    atol = 1e-5 * max(1.0, float(finite.abs().max()) / tau)
+
+    def close(name, got, want, tol):
+        err = float((got.double() - want.double()).abs().max())
+        assert err <= tol, f"{name}: max abs error {err:.3g} > {tol:.3g}"
+
+    assert lp.dtype == torch.float32 and lp.shape == (T_TOKENS,), (lp.dtype, lp.shape)
+    close("log_prob vs float64 reference", lp.detach(), lp_ref.detach(), atol)
+    if sc.masked:
+        # log p = 0 exactly in real arithmetic; the kernels reach it up to fp32 rounding of
+        # the shared exponentials (SPEC §8's bound, taken on this row alone).
+        row = x_full[2][torch.isfinite(x_full[2])].float()
+        row_tol = 1e-5 * max(1.0, float(row.abs().max()) / tau)
+        assert abs(float(lp[2].detach())) <= row_tol, \
+            f"row keeping only its target: {float(lp[2].detach())} (bound {row_tol:.3g})"
+    if with_entropy:
+        assert h is not None and h.dtype == torch.float32 and h.shape == (T_TOKENS,)
+        close("entropy vs float64 reference", h.detach(), h_ref.detach(), atol)
+        assert h.requires_grad == entropy_grad, f"entropy requires_grad {h.requires_grad}"
+    else:
+        assert h is None, "entropy must be None with with_entropy=False"
+
+    # --- gradients ------------------------------------------------------------------
+    def ref_grad(out):
+        (g,) = torch.autograd.grad(out, xr, retain_graph=True)
+        return g[:, cols]
+
+    # Both cotangents are always passed when entropy has a gradient (zeros for the one
+    # not under test), so each configuration compiles one backward.
+    zeros = torch.zeros_like(g_lp)
+    outs = [lp, h] if entropy_grad else [lp]
+
+    def grad(g_lp_, g_h_):
+        (g,) = torch.autograd.grad(outs, x, [g_lp_, g_h_] if entropy_grad else [g_lp_],
+                                   retain_graph=True)
+        assert g.dtype == x.dtype, f"gradient dtype {g.dtype} != logits {x.dtype}"
+        return g
+
+    d_lp = grad(g_lp, zeros)
+    err = rel_err(d_lp, ref_grad((lp_ref * g_lp).sum()))
+    assert err <= grad_tol(sc.dtype), f"log-prob gradient: relative error {err:.3g}"
+    if entropy_grad:
+        err = rel_err(grad(zeros, g_h), ref_grad((h_ref * g_h).sum()))
+        assert err <= grad_tol(sc.dtype), f"entropy gradient: relative error {err:.3g}"
+        err = rel_err(grad(g_lp, g_h), ref_grad((lp_ref * g_lp + h_ref * g_h).sum()))
+        assert err <= grad_tol(sc.dtype), f"combined gradient: relative error {err:.3g}"
+    elif with_entropy:
+        # forward-only entropy: using it in a loss must not change the gradient
+        assert not h.requires_grad
+        (d_total,) = torch.autograd.grad((lp * g_lp).sum() + (h * g_h).sum(), x,
+                                         retain_graph=True)
+        assert torch.equal(d_total, d_lp), "entropy without gradient changed the gradient"
+
+    # --- Megatron-core (no mask, temperature 1) -----------------------------------------
+    if megatron is not None and not sc.masked and tau == 1.0:
+        xm = x.detach().float().clone()[:, None, :].requires_grad_()  # it mutates fp32 input
+        loss = megatron(xm, y[:, None], meg_group)
+        close("log_prob vs Megatron -loss", lp.detach(), -loss[:, 0].detach(), atol)
+        loss.backward(-g_lp[:, None])
+        meg = xm.grad[:, 0, :]
+        ours, want = d_lp.to(torch.bfloat16), meg.to(torch.bfloat16)
+        # Megatron rounds its gradient to bf16; two correct fp32 gradients may round to
+        # neighbouring bf16 values, so allow one bf16 ulp (adjacent bit patterns) and no
+        # more. Anything larger is a real difference.
+        ulps = (ours.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+        diff = (ours.float() - want.float()).abs()
+        bad = (ulps > 1) & (diff > 1e-7)
+        assert not bool(bad.any()), (
+            f"log-prob gradient vs Megatron (bf16): {int(bad.sum())} element(s) differ by "
+            f"more than one bf16 ulp, max {float(diff.max()):.3g}")
+
+    # --- inputs untouched -----------------------------------------------------------------
+    after = [x.detach(), y] + ([mask] if mask is not None else [])
+    for before, now in zip(snapshot, after):
+        assert torch.equal(before, now), "an input tensor was modified"
+
+
+# ---------------------------------------------------------------------------
+# multi-process driver
+# ---------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class CollectiveCounter:
+    """Counts torch.distributed collectives (monkeypatched module functions)."""
+
+    NAMES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+             "reduce_scatter_tensor", "broadcast", "all_to_all", "all_to_all_single",
+             "reduce", "gather", "scatter", "barrier")
+
+    def __init__(self):
+        import torch.distributed as dist
+
+        self.dist = dist
+        self.count = 0
+        self.saved = {}
+
+    def __enter__(self):
+        for name in self.NAMES:
+            orig = getattr(self.dist, name)
+            self.saved[name] = orig
+
+            def wrapped(*a, _orig=orig, **k):
+                self.count += 1
+                return _orig(*a, **k)
+
+            setattr(self.dist, name, wrapped)
+        return self
+
+    def __exit__(self, *exc):
+        for name, orig in self.saved.items():
+            setattr(self.dist, name, orig)
+
+
+def _extra_checks(rank, world, group, device, timings):
+    """Collective counts, unequal shards, T = 0, compile (TP = 2): returns failures."""
+    import torch
+
+    import bridge
+    from bridge import _jaxfns
+
+    failures = []
+
+    def check(name, fn):
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception:
+            failures.append(f"[rank {rank}] {name}: {traceback.format_exc(limit=6)}")
+        timings[name] = time.perf_counter() - t0
+
+    def collectives():
+        x = torch.randn(5, V_LOCAL, device=device, requires_grad=True)
+        y = torch.randint(0, world * V_LOCAL, (5,), generator=torch.Generator().manual_seed(1))
+        y = y.to(device)
+        with CollectiveCounter() as c:
+            lp, h = bridge.logprob_entropy(x, y, process_group=group)
+        first = c.count
+        with CollectiveCounter() as c:
+            lp, h = bridge.logprob_entropy(x, y, process_group=group)
+        steady = c.count
+        with CollectiveCounter() as c:
+            torch.autograd.grad([lp, h], x, [torch.ones_like(lp), torch.ones_like(h)])
+        backward = c.count
+        assert (first, steady, backward) == (2, 1, 0), (
+            f"collectives: first forward {first} (want 2: shape check + all-gather), "
+            f"later forward {steady} (want 1), backward {backward} (want 0)")
+
+    def unequal_shards():
+        v_loc = V_LOCAL + (1 if rank == world - 1 else 0)
+        x = torch.randn(4, v_loc, device=device)
+        y = torch.zeros(4, dtype=torch.long, device=device)
+        calls = []
+        orig = _jaxfns.local_forward
+        _jaxfns.local_forward = lambda **k: calls.append(k) or orig(**k)
+        try:
+            bridge.logprob_entropy(x, y, process_group=group)
+        except ValueError as err:
+            assert "same shape" in str(err) and "V_loc" in str(err), str(err)
+        else:
+            raise AssertionError("unequal vocabulary shards were accepted")
+        finally:
+            _jaxfns.local_forward = orig
+        assert not calls, "a kernel ran before the shard-size error"
+
+    def empty():
+        x = torch.randn(0, V_LOCAL, device=device, requires_grad=True)
+        y = torch.zeros(0, dtype=torch.long, device=device)
+        with CollectiveCounter() as c:
+            lp, h = bridge.logprob_entropy(x, y, process_group=group)
+            (g,) = torch.autograd.grad(lp.sum() + h.sum(), x)
+        assert c.count == 0, f"T = 0 ran {c.count} collectives"
+        assert lp.shape == (0,) and h.shape == (0,) and g.shape == (0, V_LOCAL)
+        lp2, h2 = bridge.calculate_log_probs_and_entropy(x, y, group, with_entropy=True)
+        assert lp2.shape == (0,) and h2.shape == (0,), (lp2.shape, h2.shape)
+
+    def compiled():
+        sc = Scenario("float32", True, "grad", "bridge", temperature=0.8)
+        x_full, y, mask_full, g_lp, g_h = make_inputs(sc, world, device, seed=5)
+        cols = slice(rank * V_LOCAL, (rank + 1) * V_LOCAL)
+        x = x_full[:, cols].contiguous().requires_grad_()
+        mask = mask_full[:, cols].contiguous()
+
+        def loss(x, y, mask, g_lp, g_h):
+            lp, h = bridge.logprob_entropy(x, y, process_group=group, keep_mask=mask,
+                                           temperature=0.8)
+            return (lp * g_lp).sum() + (h * g_h).sum(), lp, h
+
+        import torch._dynamo
+
+        torch._dynamo.reset()
+        c_loss, c_lp, c_h = torch.compile(loss, fullgraph=True)(x, y, mask, g_lp, g_h)
+        (c_g,) = torch.autograd.grad(c_loss, x)
+        e_loss, e_lp, e_h = loss(x, y, mask, g_lp, g_h)
+        (e_g,) = torch.autograd.grad(e_loss, x)
+        assert torch.allclose(c_lp, e_lp, rtol=0, atol=1e-6), "compiled log_prob differs"
+        assert torch.allclose(c_h, e_h, rtol=0, atol=1e-6), "compiled entropy differs"
+        assert torch.allclose(c_g, e_g, rtol=0, atol=1e-6), "compiled gradient differs"
+
+    check("collective count", collectives)
+    check("unequal shards", unequal_shards)
+    check("T = 0", empty)
+    if world == 2:
+        check("torch.compile(fullgraph=True) with TP", compiled)
+    return failures
+
+
+def worker(rank: int, world: int, port: int, out_dir: str, backend: str, full: bool):
+    """One rank of a spawned group: every scenario, then the extra checks."""
+    if backend == "gloo":  # CPU: compile time dominates these tiny checks
+        os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0 "
+                              "--xla_cpu_multi_thread_eigen=false")
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+    import torch
+    import torch.distributed as dist
+
+    device = torch.device("cpu")
+    if backend == "gloo":
+        torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    failures = []
+    timings = {}
+    t0 = time.perf_counter()
+    try:
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world, timeout=datetime.timedelta(seconds=120))
+        group = dist.new_group(list(range(world)))
+        import bridge  # noqa: F401  (before anything else starts JAX)
+
+        megatron = load_megatron()
+        timings["start-up"] = time.perf_counter() - t0
+        for sc in scenarios(full):
+            t1 = time.perf_counter()
+            try:
+                run_scenario(sc, group=group, meg_group=group, rank=rank, world=world,
+                             device=device, megatron=megatron)
+            except Exception:
+                failures.append(f"[rank {rank}] {sc.name}: {traceback.format_exc(limit=8)}")
+            timings[sc.name] = time.perf_counter() - t1
+        t1 = time.perf_counter()
+        failures += _extra_checks(rank, world, group, device, timings)
+        timings["extra"] = time.perf_counter() - t1
+        dist.barrier()
+        dist.destroy_process_group()
+    except Exception:
+        failures.append(f"[rank {rank}] worker: {traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as fh:
+        json.dump({"rank": rank, "failures": failures, "timings_s": timings,
+                   "scenarios": len(scenarios(full))}, fh)
+
+
+def spawn(world: int, out_dir: str, backend: str = "gloo", full: bool = True) -> list[str]:
+    """Run `worker` on `world` spawned ranks; return all failures."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(worker, args=(world, free_port(), out_dir, backend, full), nprocs=world,
+             join=True)
+    failures = []
+    for rank in range(world):
+        path = os.path.join(out_dir, f"rank{rank}.json")
+        if not os.path.exists(path):
+            failures.append(f"rank {rank} wrote no result")
+            continue
+        with open(path) as fh:
+            failures += json.load(fh)["failures"]
+    return failures

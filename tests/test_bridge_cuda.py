@@ -1,0 +1,232 @@
+"""CUDA tests of the PyTorch bridge (skipped without a CUDA device).
+
+The CPU scenario matrix (tests/_bridge_scenarios.py) on one GPU with the Pallas kernels,
+against the float64 reference and Megatron-core; CUDA stream ordering without host
+synchronisation; zero copy; the memory policy; torch.compile and opcheck on CUDA; and a
+TP = 2 NCCL group when two GPUs are present.
+
+Run with XLA_PYTHON_CLIENT_PREALLOCATE=false in the environment: tests/conftest.py starts
+JAX before any test module can import the bridge.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+import bridge  # noqa: E402
+from bridge import _dlpack, op  # noqa: E402
+
+import _bridge_scenarios as S  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CUDA = torch.device("cuda", 0)
+
+
+@pytest.fixture(scope="module")
+def nccl_group():
+    """A one-rank NCCL group (Megatron needs a group; the bridge then runs no collective)."""
+    torch.cuda.set_device(CUDA)
+    created = False
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{S.free_port()}",
+                                rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
+        created = True
+    group = dist.new_group([0], backend="nccl")
+    yield group
+    if created:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def megatron():
+    return S.load_megatron()
+
+
+@pytest.mark.parametrize("sc", S.scenarios(full=True), ids=lambda sc: sc.name)
+def test_cuda_tp1(sc, nccl_group, megatron):
+    S.run_scenario(sc, group=nccl_group, meg_group=nccl_group, rank=0, world=1,
+                   device=CUDA, megatron=megatron)
+
+
+def test_cuda_uses_pallas_and_fast_dlpack():
+    x = torch.randn(4, 100, device=CUDA)
+    y = torch.randint(0, 100, (4,), device=CUDA)
+    bridge.logprob_entropy(x, y)
+    dev = _dlpack.device(CUDA)
+    assert dev.fast, "JAX's DLPack fast path is not in use on CUDA"
+    assert op._backend("", dev)[0] == "pallas"
+    assert dev.jax_device.platform == "gpu"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_cuda_large_vocab(dtype):
+    """Qwen-sized vocabulary, masked, temperature: against float64 on the GPU."""
+    gen = torch.Generator(device=CUDA).manual_seed(3)
+    T, V = 64, 151936
+    x = (torch.randn(T, V, device=CUDA, generator=gen) * 3).to(dtype).requires_grad_()
+    y = torch.randint(0, V, (T,), device=CUDA, generator=gen)
+    mask = torch.rand(T, V, device=CUDA, generator=gen) < 0.01
+    g1, g2 = torch.randn(T, device=CUDA), torch.randn(T, device=CUDA)
+    lp, h = bridge.logprob_entropy(x, y, keep_mask=mask, temperature=0.9)
+    (g,) = torch.autograd.grad([lp, h], x, [g1, g2])
+    xr = x.detach().double().requires_grad_()
+    lp_r, h_r = S.reference(xr, y, mask, 0.9)
+    (g_r,) = torch.autograd.grad([lp_r, h_r], xr, [g1.double(), g2.double()])
+    scale = max(1.0, float(x.detach().float().abs().max()) / 0.9)
+    assert float((lp.double() - lp_r).abs().max()) <= 1e-5 * scale
+    assert float((h.double() - h_r).abs().max()) <= 1e-5 * scale
+    assert S.rel_err(g, g_r) <= S.grad_tol(str(dtype).replace("torch.", ""))
+
+
+def test_stream_ordering_without_host_sync():
+    """On a side stream: logits written at the end of a long GPU chain, the bridge called
+    at once, its outputs consumed and its input overwritten right after -- no sync in
+    between. Any missing stream dependency reads or writes the wrong values."""
+    T, V = 16, 4000
+    gen = torch.Generator(device=CUDA).manual_seed(0)
+    base = torch.randn(T, V, device=CUDA, generator=gen)
+    y = torch.randint(0, V, (T,), device=CUDA, generator=gen)
+    g = torch.randn(T, device=CUDA, generator=gen)
+    # compile the JAX functions for these shapes first
+    warm = base.clone().requires_grad_()
+    torch.autograd.grad(bridge.logprob_entropy(warm, y)[0], warm, g)
+    lp_r, h_r = S.reference(base.double(), y, None, 1.0)
+    torch.cuda.synchronize()
+
+    side = torch.cuda.Stream(device=CUDA)
+    with torch.cuda.stream(side):
+        x = torch.full((T, V), 1e4, device=CUDA)  # wrong values, visible if read early
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the real values land
+        with torch.no_grad():
+            x.copy_(base)
+        x.requires_grad_()
+        lp, h = bridge.logprob_entropy(x, y, check_targets=False)
+        lp_used, h_used = lp * 1.0, h * 1.0  # torch reads JAX's outputs immediately
+        (d,) = torch.autograd.grad(lp, x, g)
+        d_used = d * 1.0
+        with torch.no_grad():
+            x.fill_(float("nan"))  # must not reach JAX's backward, which read x before
+    torch.cuda.synchronize()
+    assert float((lp_used.double() - lp_r).abs().max()) < 1e-4
+    assert float((h_used.double() - h_r).abs().max()) < 1e-4
+    xr = base.double().requires_grad_()
+    (d_r,) = torch.autograd.grad(S.reference(xr, y, None, 1.0)[0], xr, g.double())
+    assert torch.isfinite(d_used).all() and S.rel_err(d_used, d_r) < 1e-5
+
+
+def test_no_host_synchronisation():
+    """With check_targets=False a forward+backward returns to the host while the GPU is
+    still busy with earlier work: nothing in the bridge (torch or JAX side) waits."""
+    T, V = 32, 32000
+    x = torch.randn(T, V, device=CUDA, requires_grad=True)
+    y = torch.randint(0, V, (T,), device=CUDA)
+    g = torch.randn(T, device=CUDA)
+    for _ in range(2):  # compile + warm
+        torch.autograd.grad(bridge.logprob_entropy(x, y, check_targets=False), x, [g, g])
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time queued ahead of the bridge
+    t0 = time.perf_counter()
+    lp, h = bridge.logprob_entropy(x, y, check_targets=False)
+    torch.autograd.grad([lp, h], x, [g, g])
+    host = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    gpu_left = time.perf_counter() - t1
+    assert gpu_left > 0.05, f"the GPU was idle already ({gpu_left:.3f} s): test is void"
+    assert host < 0.05, f"the bridge blocked the host for {host:.3f} s (a device sync)"
+    # and the check does synchronise (so this test can tell the difference)
+    torch.cuda._sleep(1_000_000_000)
+    t0 = time.perf_counter()
+    bridge.logprob_entropy(x, y, check_targets=True)
+    assert time.perf_counter() - t0 > 0.05
+    torch.cuda.synchronize()
+
+
+def test_torch_sync_debug_mode_sees_no_sync():
+    x = torch.randn(8, 1000, device=CUDA, requires_grad=True)
+    y = torch.randint(0, 1000, (8,), device=CUDA)
+    g = torch.randn(8, device=CUDA)
+    torch.autograd.grad(bridge.logprob_entropy(x, y, check_targets=False), x, [g, g])
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        lp, h = bridge.logprob_entropy(x, y, check_targets=False)
+        torch.autograd.grad([lp, h], x, [g, g])
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            bridge.logprob_entropy(x, y, check_targets=True)  # the range check syncs
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_cuda_zero_copy(monkeypatch):
+    x = torch.randn(8, 512, device=CUDA, requires_grad=True)
+    y = torch.randint(0, 512, (8,), device=CUDA)
+    seen = []
+    to_jax, to_torch = _dlpack.Transfer.to_jax, _dlpack.Transfer.to_torch
+    monkeypatch.setattr(_dlpack.Transfer, "to_jax", lambda self, t: seen.append(
+        ("in", t.data_ptr(), (a := to_jax(self, t)).unsafe_buffer_pointer(), t.shape)) or a)
+    monkeypatch.setattr(_dlpack.Transfer, "to_torch", lambda self, a: seen.append(
+        ("out", a.unsafe_buffer_pointer(), (t := to_torch(self, a)).data_ptr(), t.shape)) or t)
+    lp, h = bridge.logprob_entropy(x, y)
+    (g,) = torch.autograd.grad(lp.sum(), x)
+    assert all(src == dst for _, src, dst, _ in seen), seen
+    assert any(k == "in" and p == x.data_ptr() for k, p, _, _ in seen)
+    assert any(k == "out" and p == g.data_ptr() for k, _, p, _ in seen)
+
+
+def test_cuda_torch_compile_and_opcheck():
+    torch._dynamo.reset()
+    x = torch.randn(6, 300, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, 300, (6,), device=CUDA)
+    mask = torch.rand(6, 300, device=CUDA) < 0.2
+
+    def loss(x, y, mask):
+        lp, h = bridge.logprob_entropy(x, y, keep_mask=mask, temperature=0.8)
+        return (lp * 0.5).sum() + h.sum()
+
+    c = torch.compile(loss, fullgraph=True)(x, y, mask)
+    (cg,) = torch.autograd.grad(c, x)
+    e = loss(x, y, mask)
+    (eg,) = torch.autograd.grad(e, x)
+    torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cg, eg)  # bf16 tolerances: same kernels, same cotangents
+    torch.library.opcheck(op.logprob_entropy_fwd,
+                          (x, y, mask, 1.25, True, True, "", "", 0, 1))
+
+
+def test_cuda_memory_policy_fresh_process():
+    """Bridge imported first: JAX starts on torch's GPU only, without preallocating."""
+    code = """
+import bridge, torch, jax
+x = torch.randn(64, 1000, device="cuda", requires_grad=True)
+y = torch.randint(0, 1000, (64,), device="cuda")
+lp, h = bridge.logprob_entropy(x, y)
+torch.autograd.grad(lp.sum(), x)
+d = bridge._dlpack.device(x.device).jax_device
+s = d.memory_stats() or {}
+pool = s.get("pool_bytes", s.get("bytes_reserved", 0))
+print(len(jax.devices("cuda")), pool, s.get("bytes_limit", 0))
+"""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    n_dev, pool, limit = (int(v) for v in proc.stdout.split()[-3:])
+    assert n_dev == 1, f"JAX started on {n_dev} GPUs"
+    assert pool < 2**30, f"JAX holds {pool / 2**30:.1f} GiB after a tiny call"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_vocab_parallel_nccl(tmp_path):
+    failures = S.spawn(2, str(tmp_path), "nccl", full=True)
+    assert not failures, "\n".join(failures)

@@ -328,19 +328,29 @@ def _empty_outputs(logits, with_entropy, masked, world):
             logits.new_empty((world, num_stats, 0), dtype=torch.float32))
 
 
-def forward_impl(logits, targets, keep_mask, inv_tau: float, with_entropy: bool,
-                 implementation: str, group_name: str, rank: int, world: int):
-    """-> (log_prob [T] f32, entropy [T] f32 (or [0]), gathered stats [R, K, T] f32)."""
-    if logits.shape[0] == 0:
-        return _empty_outputs(logits, with_entropy, keep_mask is not None, world)
+def _start_forward(logits, targets, keep_mask, inv_tau, with_entropy, implementation,
+                   group_name, rank, world):
+    """Checks, imports and runs the forward for T > 0 (both routes).
+
+    -> (xfer, inputs, j_log_prob, j_entropy, j_gathered, gathered or None)."""
     dev = _dlpack.device(logits.device)
     if world > 1:  # local errors first, then the (collective) shape check
         _check_inputs(logits, keep_mask, dev)
         _check_shards(_resolve_group(group_name), group_name, logits)
     xfer = dev.begin()
     inp = _Inputs(xfer, logits, targets, keep_mask, implementation)
-    j_lp, j_ent, j_gathered, gathered = _forward_jax(
-        xfer, inp, inv_tau, with_entropy, group_name, rank, world)
+    return (xfer, inp) + tuple(_forward_jax(
+        xfer, inp, inv_tau, with_entropy, group_name, rank, world))
+
+
+def forward_impl(logits, targets, keep_mask, inv_tau: float, with_entropy: bool,
+                 implementation: str, group_name: str, rank: int, world: int):
+    """-> (log_prob [T] f32, entropy [T] f32 (or [0]), gathered stats [R, K, T] f32)."""
+    if logits.shape[0] == 0:
+        return _empty_outputs(logits, with_entropy, keep_mask is not None, world)
+    xfer, _, j_lp, j_ent, j_gathered, gathered = _start_forward(
+        logits, targets, keep_mask, inv_tau, with_entropy, implementation,
+        group_name, rank, world)
     if gathered is None:
         gathered = xfer.to_torch(j_gathered)
     entropy = (xfer.to_torch(j_ent) if with_entropy
@@ -460,14 +470,9 @@ class _EagerFunction(torch.autograd.Function):
             ctx.state = None
             lp, ent, _ = _empty_outputs(logits, with_entropy, keep_mask is not None, world)
         else:
-            dev = _dlpack.device(logits.device)
-            if world > 1:  # local errors first, then the (collective) shape check
-                _check_inputs(logits, keep_mask, dev)
-                _check_shards(_resolve_group(group_name), group_name, logits)
-            xfer = dev.begin()
-            inp = _Inputs(xfer, logits, targets, keep_mask, implementation)
-            j_lp, j_ent, j_gathered, _ = _forward_jax(
-                xfer, inp, inv_tau, with_entropy, group_name, rank, world)
+            xfer, inp, j_lp, j_ent, j_gathered, _ = _start_forward(
+                logits, targets, keep_mask, inv_tau, with_entropy, implementation,
+                group_name, rank, world)
             ctx.state = (inp, j_gathered)
             lp = xfer.to_torch(j_lp)
             ent = xfer.to_torch(j_ent) if with_entropy else None

@@ -1,6 +1,6 @@
 """Kernel tuning sweep on one GPU: Pallas config variants at T = 8192, V = 151,936.
 
-    python benchmarks/tune.py --configs "block_v=2048,num_warps=4;prefetch=1" [--out DIR]
+    python benchmarks/tune.py --configs "block_v=2048,num_warps=4;block_v=1024,approx_exp2=0" [--out DIR]
 
 Each config is checked against the float64 reference on a small case first
 (a variant that is fast but wrong is reported as such), then timed: forward and
@@ -24,7 +24,7 @@ def parse_configs(text):
         kwargs = {}
         for kv in filter(None, item.split(",")):
             k, v = kv.split("=")
-            kwargs[k] = bool(int(v)) if k in ("prefetch", "approx_exp2") else int(v)
+            kwargs[k] = bool(int(v)) if k == "approx_exp2" else int(v)
         configs.append(jaxops.PallasConfig(**kwargs))
     return configs
 

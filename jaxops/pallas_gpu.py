@@ -43,8 +43,6 @@ class PallasConfig:
     # ex2.approx (one MUFU instruction) instead of libdevice's exp2f; the
     # kernels are ALU-bound on bf16 without it.
     approx_exp2: bool = True
-    # Issue the next tile's load before folding the current one.
-    prefetch: bool = False
     interpret: bool = False
 
 
@@ -163,16 +161,7 @@ def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_ent
         return row_max, sum_vec, shifted_vec, masked_vec, any_kept
 
     def stream(fold, acc):
-        if config.prefetch and num_full > 0:
-            def body(i, carry):
-                tile, acc = carry
-                # The last iteration re-loads its own tile (cached) instead of branching.
-                upcoming = load(start_of(jnp.minimum(i + 1, num_full - 1)), False)
-                return upcoming, fold(tile, acc)
-
-            _, acc = lax.fori_loop(0, num_full, body, (load(0, False), acc))
-        else:
-            acc = lax.fori_loop(0, num_full, lambda i, a: fold(load(start_of(i), False), a), acc)
+        acc = lax.fori_loop(0, num_full, lambda i, a: fold(load(start_of(i), False), a), acc)
         if tail:
             acc = fold(load(num_full * block_v, True), acc)
         return acc

@@ -67,13 +67,14 @@ def local_backward(*, shard_index, inv_tau, with_entropy, entropy_grad, masked, 
                    has_d_entropy, backend, config, target_mode):
     """d loss / d logits of this shard, no collective."""
 
-    def fn(logits, raw_targets, keep_mask, gathered, d_log_prob, d_entropy):
+    def fn(logits, raw_targets, keep_mask, gathered, d_out):
+        # d_out [n, T]: d log_prob and/or d entropy, in that order, as present.
         targets = decode_targets(raw_targets, target_mode)
-        if not has_d_log_prob:
-            d_log_prob = jnp.zeros(targets.shape, jnp.float32)
+        d_log_prob = d_out[0] if has_d_log_prob else jnp.zeros(targets.shape, jnp.float32)
+        d_entropy = d_out[-1] if has_d_entropy else None
         return staged.local_backward(
             logits, targets, keep_mask if masked else None, gathered, shard_index,
-            d_log_prob, d_entropy if has_d_entropy else None, inv_tau=inv_tau,
+            d_log_prob, d_entropy, inv_tau=inv_tau,
             with_entropy=with_entropy, entropy_grad=entropy_grad, backend=backend,
             config=config)
 

@@ -188,13 +188,19 @@ def check_targets_in_range(targets, total_vocab):
 # the implementation (runs on real tensors; shared by both routes)
 # ---------------------------------------------------------------------------
 
+_INTERPRET_CONFIGS: dict = {}
+
+
 def _backend(implementation: str, dev) -> tuple[str, object]:
     impl = implementation or ("pallas" if dev.cuda else "xla")
     if impl == "xla":
         return "xla", ()
     config = PALLAS_CONFIG
     if not dev.cuda and not config.interpret:
-        config = dataclasses.replace(config, interpret=True)
+        interpret = _INTERPRET_CONFIGS.get(config)
+        if interpret is None:
+            interpret = _INTERPRET_CONFIGS[config] = dataclasses.replace(config, interpret=True)
+        config = interpret
     return "pallas", config
 
 
@@ -311,14 +317,17 @@ def _forward_jax(xfer, inp: _Inputs, inv_tau, with_entropy, group_name, rank, wo
 def _backward_jax(xfer, inp: _Inputs, j_gathered, d_log_prob, d_entropy, inv_tau,
                   with_entropy, entropy_grad, rank):
     dev = inp.dev
-    d_lp = None if d_log_prob is None else xfer.to_jax(_small(d_log_prob.float(), dev))
-    d_ent = None if d_entropy is None else xfer.to_jax(_small(d_entropy.float(), dev))
+    # Both incoming gradients cross as one [2, T] tensor: a torch.stack costs less host
+    # time than a second DLPack import.
+    grads = [g for g in (d_log_prob, d_entropy) if g is not None]
+    d_out = torch.stack(grads) if len(grads) == 2 else grads[0].unsqueeze(0)
+    j_d_out = xfer.to_jax(_small(d_out.float(), dev))
     fn = _jaxfns.local_backward(
         shard_index=rank, inv_tau=inv_tau, with_entropy=with_entropy,
         entropy_grad=entropy_grad, masked=inp.mask is not None,
-        has_d_log_prob=d_lp is not None, has_d_entropy=d_ent is not None,
+        has_d_log_prob=d_log_prob is not None, has_d_entropy=d_entropy is not None,
         backend=inp.backend, config=inp.config, target_mode=inp.target_mode)
-    return fn(inp.logits, inp.targets, inp.mask, j_gathered, d_lp, d_ent)
+    return fn(inp.logits, inp.targets, inp.mask, j_gathered, j_d_out)
 
 
 def _empty_outputs(logits, with_entropy, masked, world):

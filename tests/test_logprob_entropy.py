@@ -339,6 +339,29 @@ def test_vocab_tiles(implementation, lead, num_vocab, dtype, mask, block_v):
                             implementation=implementation, pallas_config=config, seed=2)
 
 
+@pytest.mark.parametrize("order", ["ascending", "descending", "random"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
+def test_skip_rescale_variant(order, dtype):
+    """`PallasConfig(skip_rescale=True)` and the default kernel against the reference, and
+    against each other to fp32 rounding (the compiler may contract the branch's arithmetic
+    differently): rows whose max grows in every tile (ascending), only in the first
+    (descending) and at random, with a mask and an entropy gradient."""
+    logits, targets, keep_mask = make_inputs(4, (3,), 128 * 4 + 37, dtype, mask="mixed",
+                                             scale=4.0)
+    if order != "random":
+        logits = jnp.sort(logits, axis=-1, descending=order == "descending")
+    outs = {}
+    for skip in (False, True):
+        outs[skip] = check_against_reference(
+            logits, targets, keep_mask=keep_mask, temperature=0.9,
+            implementation="pallas",
+            pallas_config=interpret_config(block_v=128, skip_rescale=skip), seed=3)
+    for field in ("log_prob", "entropy"):
+        np.testing.assert_allclose(np.asarray(getattr(outs[True], field)),
+                                   np.asarray(getattr(outs[False], field)),
+                                   rtol=1e-6, atol=1e-6, err_msg=field)
+
+
 @st.composite
 def random_calls(draw):
     return dict(

@@ -106,6 +106,86 @@ def breakdown(device, calls):
     return res
 
 
+class _TorchFloor(torch.autograd.Function):
+    """A torch-only autograd.Function with the bridge's signature shape: two [T] outputs,
+    a [T, V] gradient. Its cost is torch's own autograd floor for such an op."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x[:, 0].clone(), x[:, 1].clone()
+
+    @staticmethod
+    def backward(ctx, d_a, d_b):
+        return d_a[:, None] + d_b[:, None] * torch.ones_like(_TorchFloor.template)
+
+
+def ladder(device, impl, calls, num_tokens=16, num_vocab=1024):
+    """Host microseconds of one fwd+bwd call, adding the bridge's pieces one at a time
+    (T = 16, V = 1024 fp32 with entropy: the device is idle, the host is what is timed)."""
+    dev = _dlpack.device(device)
+    x = torch.randn(num_tokens, num_vocab, device=device)
+    y = torch.randint(0, num_vocab, (num_tokens,), device=device)
+    y32 = y.view(torch.int32)  # int64 ids as int32 pairs, as the bridge passes them
+    d = torch.randn(2, num_tokens, device=device)
+    backend, config = op._backend(impl, dev)
+    fwd = _jaxfns.local_forward(shard_index=0, world=1, inv_tau=1.0, with_entropy=True,
+                                masked=False, backend=backend, config=config, target_mode="i64")
+    bwd = _jaxfns.local_backward(shard_index=0, inv_tau=1.0, with_entropy=True,
+                                 entropy_grad=True, masked=False, has_d_log_prob=True,
+                                 has_d_entropy=True, backend=backend, config=config,
+                                 target_mode="i64")
+    xfer = dev.begin()
+    jx, jy, jd = xfer.to_jax(x), xfer.to_jax(y32), xfer.to_jax(d)
+    ox, oy, od = jnp.array(jx), jnp.array(jy), jnp.array(jd)
+    kept = []
+
+    def on(a, b, dd):
+        _, _, st = fwd(a, b, None)
+        return bwd(a, b, None, st, dd)
+
+    def fresh(export=False, keep=False):
+        t = dev.begin()
+        a, b = t.to_jax(x), t.to_jax(y32)
+        lp, h, st = fwd(a, b, None)
+        outs = [t.to_torch(lp), t.to_torch(h)] if export else []
+        t = dev.begin()
+        g = bwd(a, b, None, st, t.to_jax(d))
+        if not export:
+            return g
+        outs.append(t.to_torch(g))
+        if keep:  # as in real use: the previous call's tensors die during this call
+            kept[:] = outs
+        return outs
+
+    xr = x.clone().requires_grad_()
+
+    def bridge_full():
+        lp, h = bridge.logprob_entropy(xr, y, check_targets=False)
+        return torch.autograd.grad([lp, h], xr, [d[0], d[1]])
+
+    _TorchFloor.template = x
+    xf = x.clone().requires_grad_()
+
+    def torch_floor():
+        a, b = _TorchFloor.apply(xf)
+        return torch.autograd.grad([a, b], xf, [d[0], d[1]])
+
+    steps = [
+        ("1 staged jit fwd+bwd on owned arrays", lambda: on(ox, oy, od)),
+        ("2 ... on DLPack views imported once", lambda: on(jx, jy, jd)),
+        ("3 ... importing x, y, d every call", fresh),
+        ("4 ... + exporting lp, h, dx to torch", lambda: fresh(export=True)),
+        ("5 ... + torch keeps them until the next call", lambda: fresh(export=True, keep=True)),
+        ("6 op.forward_impl + op.backward_impl (no autograd)",
+         lambda: op.backward_impl(x, y, None, op.forward_impl(x, y, None, 1.0, True, impl,
+                                                               "", 0, 1)[2],
+                                  d[0], d[1], 1.0, True, True, impl, 0)),
+        ("7 bridge.logprob_entropy + autograd.grad", bridge_full),
+        ("torch-only autograd.Function floor", torch_floor),
+    ]
+    return {name: timeit(fn, device, calls) for name, fn in steps}
+
+
 def profile(device, impl, calls):
     """Where the host time of one small bridge call goes (cProfile, top functions)."""
     import cProfile
@@ -274,6 +354,10 @@ def main():
     print("per-operation costs (us):", flush=True)
     for k, v in results["breakdown"].items():
         print(f"  {k:40s} {v if isinstance(v, bool) else f'{v:8.1f}'}", flush=True)
+    results["ladder"] = ladder(device, impl, calls)
+    print("host cost of one fwd+bwd call, piece by piece (us):", flush=True)
+    for k, v in results["ladder"].items():
+        print(f"  {k:52s} {v:8.1f}", flush=True)
 
     shapes = [(16, 1024, torch.float32), (256, 32768, torch.bfloat16)]
     if not args.quick and device.type == "cuda":

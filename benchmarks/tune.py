@@ -75,6 +75,18 @@ def extreme_errors(cfg):
             float(jnp.linalg.norm(g.astype(jnp.float64) - gr) / jnp.linalg.norm(gr)))
 
 
+def check(cfg):
+    """Print the config's errors against the float64 reference; False if it fails to run."""
+    try:
+        print("check", cfg, ["%.2e" % e for e in max_errors(cfg)],
+              "extreme", ["%.2e" % e for e in extreme_errors(cfg)], flush=True)
+        return True
+    except Exception:
+        traceback.print_exc()
+        print("FAILED check", cfg, flush=True)
+        return False
+
+
 def timed(fn, inputs, iters=20, rounds=5):
     jax.block_until_ready(fn(*inputs[0]))
     times = []
@@ -92,9 +104,14 @@ def main():
     parser.add_argument("--configs", default="")
     parser.add_argument("--out", default=None)
     parser.add_argument("--dtypes", default="bfloat16,float32")
-    parser.add_argument("--cases", default="ent,noent,mask")
+    parser.add_argument("--cases", default="ent,noent,mask,mask-noent")
+    parser.add_argument("--no-check", action="store_true",
+                        help="skip the float64 check of each config (faster; for a first sweep)")
+    parser.add_argument("--no-default", action="store_true",
+                        help="do not time the default config first")
     args = parser.parse_args()
-    configs = [jaxops.PallasConfig()] + parse_configs(args.configs)
+    configs = [] if args.no_default else [jaxops.PallasConfig()]
+    configs += parse_configs(args.configs)
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
     rows = []
     big = jax.random.normal(jax.random.key(9), (8192, 151936), jnp.float32)
@@ -106,18 +123,15 @@ def main():
     y = jax.random.randint(jax.random.key(1), (T,), 0, V)
     mask = jax.random.uniform(jax.random.key(2), (T, V)) < 0.05
     for cfg in configs:
-        try:
-            print("check", cfg, ["%.2e" % e for e in max_errors(cfg)],
-                  "extreme", ["%.2e" % e for e in extreme_errors(cfg)], flush=True)
-        except Exception:
-            traceback.print_exc()
-            print("FAILED check", cfg, flush=True)
+        if args.no_check:
+            print("unchecked", cfg, flush=True)
+        elif not check(cfg):
             continue
         for dtype_name in args.dtypes.split(","):
             dtype = jnp.dtype(dtype_name)
             xs = [jax.random.normal(jax.random.key(i), (T, V), dtype) * 3 for i in range(2)]
             for case in args.cases.split(","):
-                ent, m = case != "noent", (mask if case == "mask" else None)
+                ent, m = "noent" not in case, (mask if "mask" in case else None)
                 fwd_bytes = T * V * (dtype.itemsize + (1 if m is not None else 0))
                 bwd_bytes = T * V * (2 * dtype.itemsize + (1 if m is not None else 0))
                 op = lambda x: jaxops.logprob_entropy(x, y, keep_mask=m, with_entropy=ent,

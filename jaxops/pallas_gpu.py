@@ -44,8 +44,10 @@ class PallasConfig:
     # kernels are ALU-bound on bf16 without it.
     approx_exp2: bool = True
     # Skip the per-tile rescale of the running sums (a scalar branch) when the
-    # tile does not raise the row max (the skipped factor is exactly 1).
-    skip_rescale: bool = False
+    # tile does not raise the row max (the skipped factor is exactly 1). None:
+    # only for the log-prob-only, unmasked forward, the one case where it was
+    # faster on the H200 (benchmarks/NOTES.md, tuning log step 4).
+    skip_rescale: bool | None = None
     interpret: bool = False
 
 
@@ -257,6 +259,8 @@ def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
     num_tokens, num_vocab = logits.shape
     config = _resolve(config, logits.dtype, num_vocab)
     masked = keep_mask is not None
+    if config.skip_rescale is None:
+        config = dataclasses.replace(config, skip_rescale=not (with_entropy or masked))
     row = varying_struct((num_tokens,), jnp.float32, logits, local_targets, keep_mask)
     num_out = 3 + with_entropy + 2 * masked
     kernel = functools.partial(

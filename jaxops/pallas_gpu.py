@@ -37,7 +37,7 @@ _LN2 = 0.6931471805599453
 class PallasConfig:
     """Launch parameters and kernel variants; `None` fields take the tuned defaults."""
 
-    block_v: int | None = None  # vocabulary tile, a power of two
+    block_v: int | None = None  # vocabulary tile, a power of two (2048; 1024 with a mask)
     num_warps: int | None = None
     num_stages: int | None = None
     # ex2.approx (one MUFU instruction) instead of libdevice's exp2f; the
@@ -51,9 +51,12 @@ class PallasConfig:
     interpret: bool = False
 
 
-def _resolve(config: PallasConfig, dtype, num_vocab: int) -> PallasConfig:
-    del dtype  # one default fits fp32 and bf16 (benchmarks/NOTES.md, tuning log)
-    block_v = config.block_v or 2048
+def _resolve(config: PallasConfig, num_vocab: int, *, masked: bool,
+             with_entropy: bool = True) -> PallasConfig:
+    """Fill in the tuned defaults (benchmarks/NOTES.md, tuning log): one tile size fits
+    fp32 and bf16; masked kernels carry a third per-lane vector and the mask bytes and
+    run faster on half the tile."""
+    block_v = config.block_v or (1024 if masked else 2048)
     block_v = min(block_v, pl.next_power_of_2(max(num_vocab, 16)))
     if block_v & (block_v - 1):
         raise ValueError(f"block_v must be a power of two, got {block_v}")
@@ -62,6 +65,8 @@ def _resolve(config: PallasConfig, dtype, num_vocab: int) -> PallasConfig:
         block_v=block_v,
         num_warps=config.num_warps or 4,
         num_stages=config.num_stages or 2,
+        skip_rescale=(not (with_entropy or masked) if config.skip_rescale is None
+                      else config.skip_rescale),
     )
 
 
@@ -257,10 +262,8 @@ def _compiler_params(config: PallasConfig):
 def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
                   config: PallasConfig = PallasConfig()) -> LocalStats:
     num_tokens, num_vocab = logits.shape
-    config = _resolve(config, logits.dtype, num_vocab)
     masked = keep_mask is not None
-    if config.skip_rescale is None:
-        config = dataclasses.replace(config, skip_rescale=not (with_entropy or masked))
+    config = _resolve(config, num_vocab, masked=masked, with_entropy=with_entropy)
     row = varying_struct((num_tokens,), jnp.float32, logits, local_targets, keep_mask)
     num_out = 3 + with_entropy + 2 * masked
     kernel = functools.partial(
@@ -350,8 +353,8 @@ def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
                     coefs: BackwardCoefs, *, inv_tau,
                     config: PallasConfig = PallasConfig()) -> jax.Array:
     num_tokens, num_vocab = logits.shape
-    config = _resolve(config, logits.dtype, num_vocab)
     masked = keep_mask is not None
+    config = _resolve(config, num_vocab, masked=masked)
     entropy = coefs.coef_shifted is not None
     rows = [local_targets.astype(jnp.int32), max_logit, coefs.coef_sum]
     rows += [coefs.coef_shifted] if entropy else []

@@ -239,7 +239,11 @@ def _parse_kwarg(text):
 
 
 def git_info():
+    """The commit measured. BENCH_GIT_COMMIT wins: a device machine's copy of the tree
+    may carry a stale .git (its HEAD is then not the tree that runs)."""
     info = {"commit": os.environ.get("BENCH_GIT_COMMIT"), "dirty": None}
+    if info["commit"]:
+        return info
     try:
         commit = subprocess.run(["git", "-C", REPO, "rev-parse", "HEAD"], capture_output=True,
                                 text=True, timeout=10)

@@ -238,6 +238,18 @@ def _parse_kwarg(text):
         return key, value
 
 
+def keep_measured(row, old, run_index):
+    """--append: a case that this run skipped (time budget, a package missing on the device)
+    keeps its earlier measured row rather than losing it, with a note saying so."""
+    if old is None or old.get("status") != "ok" or not str(row.get("status")).startswith("skipped"):
+        return row
+    old = dict(old)
+    old["note"] = f"kept from run {old.get('run', 0)}: run {run_index} was {row['status']}"
+    print(f"[bench] {row['impl']} {row['dtype']} T={row['T']} V={row['V']}: {old['note']}",
+          flush=True)
+    return old
+
+
 def git_info():
     """The commit measured. BENCH_GIT_COMMIT wins: a device machine's copy of the tree
     may carry a stale .git (its HEAD is then not the tree that runs)."""
@@ -854,7 +866,8 @@ def main(argv=None):
                              "check_targets=False,implementation=pallas (default: none, as callers)")
     parser.add_argument("--append", action="store_true",
                         help="add to an existing --out file of the same device (rows measured "
-                             "again replace the old ones; each row records its run)")
+                             "again replace the old ones, a case skipped in this run keeps its "
+                             "earlier measured row; each row records its run)")
     parser.add_argument("--dry-run", action="store_true", help="list the cases and exit")
     args = parser.parse_args(argv)
 
@@ -989,6 +1002,7 @@ def main(argv=None):
     run_meta = {k: results[k] for k in ("date", "git", "versions", "command", "mode", "env",
                                         "settings", "bandwidth")}
     results["runs"] = [run_meta]
+    earlier = {}  # --append: the previous rows of the cases this run re-measures
     if args.append and os.path.exists(out_path):
         # Add this run's rows to an earlier run's file (rows re-measured here replace the
         # old ones). The top-level metadata stays the first run's; every row names its run
@@ -1004,9 +1018,13 @@ def main(argv=None):
                   "device", "method"):
             results[k] = prev.get(k, results[k])
         results["runs"] = old_runs + [run_meta]
-        results["rows"] = [r for r in prev.get("rows", [])
-                           if (r["impl"], r["dtype"], r["T"], r["V"], r["entropy"], r["mask"])
-                           not in keys]
+        results["rows"] = []
+        for r in prev.get("rows", []):
+            key = (r["impl"], r["dtype"], r["T"], r["V"], r["entropy"], r["mask"])
+            if key in keys:
+                earlier[key] = r
+            else:
+                results["rows"].append(r)
         print(f"[bench] appending run {len(old_runs)} to {out_path} "
               f"({len(results['rows'])} earlier rows kept)", flush=True)
     run_index = len(results["runs"]) - 1
@@ -1023,11 +1041,12 @@ def main(argv=None):
             row = dict(dataclasses.asdict(case))
             row.update(status=f"skipped: time budget ({args.budget_s:.0f} s) spent",
                        framework=None, run=run_index)
-            results["rows"].append(row)
+            results["rows"].append(keep_measured(row, earlier.get(case.key), run_index))
             continue
         row = bench.run_case(case)
         row["run"] = run_index
         row["roofline_Bps"] = bw["used_Bps"]
+        row = keep_measured(row, earlier.get(case.key), run_index)
         results["rows"].append(row)
         print_row(row)
         results["elapsed_s"] = time.perf_counter() - t_start

@@ -112,11 +112,12 @@ class _TorchFloor(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x):
+        ctx.x_shape = x.shape
         return x[:, 0].clone(), x[:, 1].clone()
 
     @staticmethod
     def backward(ctx, d_a, d_b):
-        return d_a[:, None] + d_b[:, None] * torch.ones_like(_TorchFloor.template)
+        return d_a[:, None] + d_b[:, None] * d_a.new_ones(ctx.x_shape)
 
 
 def ladder(device, impl, calls, num_tokens=16, num_vocab=1024):
@@ -163,7 +164,6 @@ def ladder(device, impl, calls, num_tokens=16, num_vocab=1024):
         lp, h = bridge.logprob_entropy(xr, y, check_targets=False)
         return torch.autograd.grad([lp, h], xr, [d[0], d[1]])
 
-    _TorchFloor.template = x
     xf = x.clone().requires_grad_()
 
     def torch_floor():

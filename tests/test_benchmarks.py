@@ -162,3 +162,30 @@ def test_plot_and_report(tiny_results, tmp_path):
     pallas = next(r for r in results["rows"] if r["impl"] == "jaxops-pallas" and r["status"] == "ok")
     assert report.ms(pallas["fb_ms"]) in section and report.ms(pallas["fwd_ms"]) in section
     assert "cpu.png" in section
+
+
+@pytest.mark.slow
+def test_append_keeps_measured_rows_over_skipped_ones(tiny_results, tmp_path):
+    """--append replaces re-measured rows, but a case the new run skips (here: a spent time
+    budget) keeps its earlier measurement, with a note naming both runs."""
+    json_path, results = tiny_results
+    out = tmp_path / "appended.json"
+    out.write_text(json_path.read_text())
+    stdout = _run(os.path.join("benchmarks", "bench.py"), "--tiny", "--append",
+                  "--filter", "impl=jaxops-xla", "--budget-s", "0.001",
+                  "--device-name", "cpu-test", "--out", str(out))
+    assert "kept from run 0" in stdout
+    appended = json.loads(out.read_text())
+    assert len(appended["runs"]) == 2
+    key = lambda r: (r["impl"], r["dtype"], r["T"], r["V"], r["entropy"], r["mask"])
+    before = {key(r): r for r in results["rows"]}
+    after = {key(r): r for r in appended["rows"]}
+    assert set(after) == set(before)  # nothing lost, nothing doubled
+    xla = [k for k in after if k[0] == "jaxops-xla"]
+    assert xla
+    for k in xla:
+        assert after[k]["status"] == "ok" and after[k]["fb_ms"] == before[k]["fb_ms"], k
+        assert after[k]["note"].startswith("kept from run 0: run 1 was skipped: time budget")
+    for k in after:
+        if k[0] != "jaxops-xla":
+            assert after[k] == before[k], k

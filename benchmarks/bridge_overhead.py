@@ -106,6 +106,19 @@ def breakdown(device, calls):
     return res
 
 
+def staged_fns(impl, dev, *, with_entropy, target_mode):
+    """The bridge's own jitted (forward, backward) pair for one unmasked shard, temperature 1."""
+    backend, config = op._backend(impl, dev)
+    fwd = _jaxfns.local_forward(shard_index=0, world=1, inv_tau=1.0, with_entropy=with_entropy,
+                                masked=False, backend=backend, config=config,
+                                target_mode=target_mode)
+    bwd = _jaxfns.local_backward(shard_index=0, inv_tau=1.0, with_entropy=with_entropy,
+                                 entropy_grad=True, masked=False, has_d_log_prob=True,
+                                 has_d_entropy=with_entropy, backend=backend, config=config,
+                                 target_mode=target_mode)
+    return fwd, bwd
+
+
 class _TorchFloor(torch.autograd.Function):
     """A torch-only autograd.Function with the bridge's signature shape: two [T] outputs,
     a [T, V] gradient. Its cost is torch's own autograd floor for such an op."""
@@ -128,13 +141,7 @@ def ladder(device, impl, calls, num_tokens=16, num_vocab=1024):
     y = torch.randint(0, num_vocab, (num_tokens,), device=device)
     y32 = y.view(torch.int32)  # int64 ids as int32 pairs, as the bridge passes them
     d = torch.randn(2, num_tokens, device=device)
-    backend, config = op._backend(impl, dev)
-    fwd = _jaxfns.local_forward(shard_index=0, world=1, inv_tau=1.0, with_entropy=True,
-                                masked=False, backend=backend, config=config, target_mode="i64")
-    bwd = _jaxfns.local_backward(shard_index=0, inv_tau=1.0, with_entropy=True,
-                                 entropy_grad=True, masked=False, has_d_log_prob=True,
-                                 has_d_entropy=True, backend=backend, config=config,
-                                 target_mode="i64")
+    fwd, bwd = staged_fns(impl, dev, with_entropy=True, target_mode="i64")
     xfer = dev.begin()
     jx, jy, jd = xfer.to_jax(x), xfer.to_jax(y32), xfer.to_jax(d)
     ox, oy, od = jnp.array(jx), jnp.array(jy), jnp.array(jd)
@@ -243,13 +250,7 @@ def scenario(device, T, V, dtype, with_entropy, calls, impl, do_compile, do_naiv
 
     res["jax"] = timeit(lambda: jax_fb(jx, jy, jg1, jg2), device, calls)
 
-    backend, config = op._backend(impl, dev)
-    fwd = _jaxfns.local_forward(shard_index=0, world=1, inv_tau=1.0, with_entropy=with_entropy,
-                                masked=False, backend=backend, config=config, target_mode="i32")
-    bwd = _jaxfns.local_backward(shard_index=0, inv_tau=1.0, with_entropy=with_entropy,
-                                 entropy_grad=True, masked=False, has_d_log_prob=True,
-                                 has_d_entropy=with_entropy, backend=backend, config=config,
-                                 target_mode="i32")
+    fwd, bwd = staged_fns(impl, dev, with_entropy=with_entropy, target_mode="i32")
 
     jd = jnp.stack([jg1, jg2]) if with_entropy else jg1[None]  # as the bridge passes them
 

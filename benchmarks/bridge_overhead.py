@@ -171,6 +171,14 @@ def ladder(device, impl, calls, num_tokens=16, num_vocab=1024):
         lp, h = bridge.logprob_entropy(xr, y, check_targets=False)
         return torch.autograd.grad([lp, h], xr, [d[0], d[1]])
 
+    def bridge_forward():  # records the graph; dropping it drops the saved JAX views
+        return bridge.logprob_entropy(xr, y, check_targets=False)
+
+    kept_lp, kept_h = bridge.logprob_entropy(xr, y, check_targets=False)
+
+    def bridge_backward():  # the same graph's backward again and again
+        return torch.autograd.grad([kept_lp, kept_h], xr, [d[0], d[1]], retain_graph=True)
+
     xf = x.clone().requires_grad_()
 
     def torch_floor():
@@ -188,6 +196,8 @@ def ladder(device, impl, calls, num_tokens=16, num_vocab=1024):
                                                                "", 0, 1)[2],
                                   d[0], d[1], 1.0, True, True, impl, 0)),
         ("7 bridge.logprob_entropy + autograd.grad", bridge_full),
+        ("7a ... its forward alone (graph recorded, then dropped)", bridge_forward),
+        ("7b ... its backward alone (autograd.grad, retain_graph)", bridge_backward),
         ("torch-only autograd.Function floor", torch_floor),
     ]
     return {name: timeit(fn, device, calls) for name, fn in steps}
@@ -358,7 +368,7 @@ def main():
     results["ladder"] = ladder(device, impl, calls)
     print("host cost of one fwd+bwd call, piece by piece (us):", flush=True)
     for k, v in results["ladder"].items():
-        print(f"  {k:52s} {v:8.1f}", flush=True)
+        print(f"  {k:56s} {v:8.1f}", flush=True)
 
     shapes = [(16, 1024, torch.float32), (256, 32768, torch.bfloat16)]
     if not args.quick and device.type == "cuda":

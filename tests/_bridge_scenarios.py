@@ -15,6 +15,7 @@ Nothing heavy is imported at module level: spawned children import this module f
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -256,6 +257,25 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def one_rank_group(backend: str, timeout_s: float):
+    """A one-rank process group of `backend` (Megatron needs a group even for TP = 1).
+    Starts the default (gloo) group if nothing has, and then also destroys it."""
+    import torch.distributed as dist
+
+    created = False
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}",
+                                rank=0, world_size=1,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+        created = True
+    try:
+        yield dist.new_group([0], backend=backend)
+    finally:
+        if created:
+            dist.destroy_process_group()
 
 
 class CollectiveCounter:

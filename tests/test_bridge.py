@@ -7,7 +7,6 @@ The scenario matrix lives in tests/_bridge_scenarios.py (shared with the CUDA te
 
 from __future__ import annotations
 
-import datetime
 import math
 import os
 import subprocess
@@ -15,7 +14,6 @@ import sys
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import bridge
 from bridge import _dlpack, _jaxfns, op
@@ -29,15 +27,8 @@ CPU = torch.device("cpu")
 @pytest.fixture(scope="module")
 def pg():
     """A gloo process group of one rank (Megatron needs a group even for TP = 1)."""
-    created = False
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{S.free_port()}",
-                                rank=0, world_size=1, timeout=datetime.timedelta(seconds=60))
-        created = True
-    group = dist.new_group([0], backend="gloo")
-    yield group
-    if created:
-        dist.destroy_process_group()
+    with S.one_rank_group("gloo", timeout_s=60) as group:
+        yield group
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ JAX before any test module can import the bridge.
 
 from __future__ import annotations
 
-import datetime
 import os
 import subprocess
 import sys
@@ -19,7 +18,6 @@ import time
 
 import pytest
 import torch
-import torch.distributed as dist
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -36,15 +34,8 @@ CUDA = torch.device("cuda", 0)
 def nccl_group():
     """A one-rank NCCL group (Megatron needs a group; the bridge then runs no collective)."""
     torch.cuda.set_device(CUDA)
-    created = False
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{S.free_port()}",
-                                rank=0, world_size=1, timeout=datetime.timedelta(seconds=120))
-        created = True
-    group = dist.new_group([0], backend="nccl")
-    yield group
-    if created:
-        dist.destroy_process_group()
+    with S.one_rank_group("nccl", timeout_s=120) as group:
+        yield group
 
 
 @pytest.fixture(scope="module")

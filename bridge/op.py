@@ -188,19 +188,13 @@ def check_targets_in_range(targets, total_vocab):
 # the implementation (runs on real tensors; shared by both routes)
 # ---------------------------------------------------------------------------
 
-_INTERPRET_CONFIGS: dict = {}
-
-
 def _backend(implementation: str, dev) -> tuple[str, object]:
     impl = implementation or ("pallas" if dev.cuda else "xla")
     if impl == "xla":
         return "xla", ()
     config = PALLAS_CONFIG
     if not dev.cuda and not config.interpret:
-        interpret = _INTERPRET_CONFIGS.get(config)
-        if interpret is None:
-            interpret = _INTERPRET_CONFIGS[config] = dataclasses.replace(config, interpret=True)
-        config = interpret
+        config = dataclasses.replace(config, interpret=True)
     return "pallas", config
 
 

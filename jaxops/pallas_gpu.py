@@ -48,6 +48,10 @@ class PallasConfig:
     # only for the log-prob-only, unmasked forward, the one case where it was
     # faster on the H200 (benchmarks/NOTES.md, tuning log step 4).
     skip_rescale: bool | None = None
+    # Issue the next tile's loads before folding the current one (the tile is
+    # carried through the loop in registers), so each program keeps two tiles of
+    # HBM reads in flight instead of one. None: the tuned default.
+    prefetch: bool | None = None
     interpret: bool = False
 
 
@@ -67,6 +71,7 @@ def _resolve(config: PallasConfig, num_vocab: int, *, masked: bool,
         num_stages=config.num_stages or 2,
         skip_rescale=(not (with_entropy or masked) if config.skip_rescale is None
                       else config.skip_rescale),
+        prefetch=bool(config.prefetch),
     )
 
 
@@ -85,24 +90,63 @@ def _tiles(num_vocab: int, block_v: int):
     return num_vocab // block_v, num_vocab % block_v
 
 
-def _load_raw(ref, start, block_v, num_vocab, bounded: bool):
-    """A tile of logits in fp32, clamped at _EXCLUDED (-inf and padding -> _EXCLUDED).
+def _load_tile(ref, start, block_v, num_vocab, bounded: bool):
+    """A tile of logits as stored (fp32/bf16/fp16); padding past the shard reads -inf."""
+    cols = start + jnp.arange(block_v, dtype=jnp.int32)
+    if bounded:
+        return plt.load(ref.at[cols], mask=cols < num_vocab, other=-jnp.inf)
+    return plt.load(ref.at[cols])
+
+
+def _widen(stored):
+    """fp32 logits clamped at _EXCLUDED (-inf and padding -> _EXCLUDED).
 
     The kernels work on raw logits and apply 1/tau and log2(e) inside one FMA
     per element: exp(x - m) = exp2(raw * (log2e / tau) - m * log2e).
     """
+    return jnp.maximum(stored.astype(jnp.float32), _EXCLUDED)
+
+
+def _load_keep(mask_ref, start, block_v, num_vocab, bounded: bool):
     cols = start + jnp.arange(block_v, dtype=jnp.int32)
-    if bounded:
-        raw = plt.load(ref.at[cols], mask=cols < num_vocab, other=-jnp.inf)
-    else:
-        raw = plt.load(ref.at[cols])
-    return cols, jnp.maximum(raw.astype(jnp.float32), _EXCLUDED)
-
-
-def _load_keep(mask_ref, cols, num_vocab, bounded: bool):
     if bounded:
         return plt.load(mask_ref.at[cols], mask=cols < num_vocab, other=False)
     return plt.load(mask_ref.at[cols])
+
+
+def _stream_tiles(load, fold, acc, *, num_vocab, block_v, prefetch):
+    """Fold every tile of a row into `acc`: `load(start, bounded)` reads a tile,
+    `fold(start, bounded, tile, acc)` consumes it. Full tiles load without a bounds mask;
+    only the last, partial tile is masked.
+
+    With `prefetch`, tile i + 1 is loaded before tile i is folded (the loaded
+    tile rides in the loop carry): Triton does not software-pipeline loads that
+    feed no dot, and without this a program waits on each tile's HBM latency.
+    """
+    num_full, tail = _tiles(num_vocab, block_v)
+
+    def start_of(i):
+        return pl.multiple_of(i * block_v, block_v)
+
+    if prefetch and num_full > 1:
+        def body(i, carry):
+            tile, acc = carry
+            next_tile = load(start_of(i + 1), False)
+            return next_tile, fold(start_of(i), False, tile, acc)
+
+        last, acc = lax.fori_loop(0, num_full - 1, body, (load(0, False), acc))
+        if tail:  # issued before the last full tile is folded, for the same reason
+            tail_tile = load(num_full * block_v, True)
+        acc = fold(start_of(num_full - 1), False, last, acc)
+    else:
+        acc = lax.fori_loop(0, num_full,
+                            lambda i, a: fold(start_of(i), False, load(start_of(i), False), a),
+                            acc)
+        if tail:
+            tail_tile = load(num_full * block_v, True)
+    if tail:
+        acc = fold(num_full * block_v, True, tail_tile, acc)
+    return acc
 
 
 def _online_update(row_max, sum_vec, shifted_vec, masked_vec, raw, keep, inv_tau, config):
@@ -167,31 +211,25 @@ def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_ent
     safe_target = jnp.where(on_shard, target, 0)
     zeros = jnp.zeros((block_v,), jnp.float32)
     neg = jnp.float32(NEG)
-    num_full, tail = _tiles(num_vocab, block_v)
-
-    def start_of(i):
-        return pl.multiple_of(i * block_v, block_v)
 
     def load(start, bounded):
-        cols, raw = _load_raw(logits_ref, start, block_v, num_vocab, bounded)
-        keep = _load_keep(mask_ref, cols, num_vocab, bounded) if masked else None
-        return raw, keep
+        stored = _load_tile(logits_ref, start, block_v, num_vocab, bounded)
+        keep = _load_keep(mask_ref, start, block_v, num_vocab, bounded) if masked else None
+        return stored, keep
 
-    def fold(tile, acc):
-        raw, keep = tile
+    def fold(start, bounded, tile, acc):
+        stored, keep = tile
         row_max, sum_vec, shifted_vec, masked_vec, any_kept = acc
         row_max, sum_vec, shifted_vec, masked_vec = _online_update(
-            row_max, sum_vec, shifted_vec, masked_vec, raw, keep, inv_tau, config)
+            row_max, sum_vec, shifted_vec, masked_vec, _widen(stored), keep, inv_tau, config)
         if masked:
             # An int max, not `|`: Triton lowering has no reduce_or for the final any().
             any_kept = jnp.maximum(any_kept, keep.astype(jnp.int32))
         return row_max, sum_vec, shifted_vec, masked_vec, any_kept
 
     def stream(fold, acc):
-        acc = lax.fori_loop(0, num_full, lambda i, a: fold(load(start_of(i), False), a), acc)
-        if tail:
-            acc = fold(load(num_full * block_v, True), acc)
-        return acc
+        return _stream_tiles(load, fold, acc, num_vocab=num_vocab, block_v=block_v,
+                             prefetch=config.prefetch)
 
     acc = (neg, zeros, zeros if with_entropy else None,
            zeros if masked else None,
@@ -220,12 +258,12 @@ def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_ent
     anything_kept = (jnp.max(any_kept) > 0) | on_shard
 
     def exact_pass():
-        def fold_kept(tile, acc):
-            raw, keep = tile
+        def fold_kept(start, bounded, tile, acc):
+            stored, keep = tile
             kept_max, kept_vec = acc
             kept_max, kept_vec, _, _ = _online_update(
-                kept_max, kept_vec, None, None, jnp.where(keep, raw, _EXCLUDED), None,
-                inv_tau, config)
+                kept_max, kept_vec, None, None, jnp.where(keep, _widen(stored), _EXCLUDED),
+                None, inv_tau, config)
             return kept_max, kept_vec
 
         kept_max, kept_vec = stream(fold_kept, (neg, zeros))
@@ -312,14 +350,21 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config):
     if masked:
         masked_neg_ref = _neg_reference(jnp.where(masked_max > NEG, masked_max, 0.0))
 
-    def tile(start, bounded, shared_reference):
-        cols, raw = _load_raw(logits_ref, start, block_v, num_vocab, bounded)
+    def load(start, bounded):
+        stored = _load_tile(logits_ref, start, block_v, num_vocab, bounded)
+        keep = _load_keep(mask_ref, start, block_v, num_vocab, bounded) if masked else None
+        return stored, keep
+
+    def write_tile(start, bounded, tile, shared_reference):
+        stored, keep = tile
+        raw = _widen(stored)
+        cols = start + jnp.arange(block_v, dtype=jnp.int32)
         d = raw * scale + neg_ref  # (x - m) * log2(e)
         exp_d = _exp2(d, config)
         coef = coef_sum + coef_shifted * d if entropy else coef_sum
         onehot = cols == target
         if masked:
-            kept = _load_keep(mask_ref, cols, num_vocab, bounded) | onehot
+            kept = keep | onehot
             if shared_reference:  # the forward's masked sum used the row max: reuse 2^d
                 grad = exp_d * (coef + jnp.where(kept, coef_masked, 0.0))
             else:
@@ -333,15 +378,13 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config):
         else:
             plt.store(dlogits_ref.at[cols], grad)
 
-    num_full, tail = _tiles(num_vocab, block_v)
-
     def sweep(shared_reference):
-        @pl.loop(0, num_full)
-        def _(i):
-            tile(pl.multiple_of(i * block_v, block_v), False, shared_reference)
+        def fold(start, bounded, tile, acc):
+            write_tile(start, bounded, tile, shared_reference)
+            return acc
 
-        if tail:
-            tile(num_full * block_v, True, shared_reference)
+        _stream_tiles(load, fold, (), num_vocab=num_vocab, block_v=block_v,
+                      prefetch=config.prefetch)
 
     if masked:
         lax.cond(masked_max == row_max, lambda: sweep(True), lambda: sweep(False))

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jaxops  # noqa: E402
 
 DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
-FLAGS = ("approx_exp2", "skip_rescale", "prefetch", "interpret")
+FLAGS = ("approx_exp2", "skip_rescale", "prefetch", "scalar_sums", "interpret")
 
 
 def parse_variant(text):

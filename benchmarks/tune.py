@@ -24,7 +24,7 @@ def parse_configs(text):
         kwargs = {}
         for kv in filter(None, item.split(",")):
             k, v = kv.split("=")
-            kwargs[k] = bool(int(v)) if k in ("approx_exp2", "skip_rescale", "prefetch") else int(v)
+            kwargs[k] = bool(int(v)) if k in ("approx_exp2", "skip_rescale", "prefetch", "scalar_sums") else int(v)
         configs.append(jaxops.PallasConfig(**kwargs))
     return configs
 

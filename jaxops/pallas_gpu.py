@@ -52,6 +52,10 @@ class PallasConfig:
     # carried through the loop in registers), so each program keeps two tiles of
     # HBM reads in flight instead of one. None: the tuned default.
     prefetch: bool | None = None
+    # Reduce each tile's sums to scalars before accumulating (one cross-thread
+    # reduction per sum and tile) instead of carrying per-lane accumulators:
+    # fewer registers per thread, so more programs per SM.
+    scalar_sums: bool = False
     interpret: bool = False
 
 
@@ -137,7 +141,8 @@ def _stream_tiles(load, fold, acc, *, num_vocab, block_v, prefetch):
         last, acc = lax.fori_loop(0, num_full - 1, body, (load(0, False), acc))
         if tail:  # issued before the last full tile is folded, for the same reason
             tail_tile = load(num_full * block_v, True)
-        acc = fold(start_of(num_full - 1), False, last, acc)
+        # A static start: pl.multiple_of has no lowering for constants.
+        acc = fold((num_full - 1) * block_v, False, last, acc)
     else:
         acc = lax.fori_loop(0, num_full,
                             lambda i, a: fold(start_of(i), False, load(start_of(i), False), a),
@@ -155,26 +160,32 @@ def _online_update(row_max, sum_vec, shifted_vec, masked_vec, raw, keep, inv_tau
     Accumulators: the scalar raw max m and per-lane vectors of sum 2^d, sum 2^d d
     and (with `keep`) the kept tokens' sum 2^d, where d = (x - m) * log2(e) for the
     running max m; the vectors are rescaled when m grows. `shifted_vec` and
-    `masked_vec` may be None (not tracked).
+    `masked_vec` may be None (not tracked). With `config.scalar_sums` the three
+    sums are scalars and each tile is reduced before it is added.
     """
     new_max = jnp.maximum(row_max, jnp.max(raw))
     scale = inv_tau * _LOG2E
     d = raw * scale + _neg_reference(new_max * inv_tau)
     exp_d = _exp2(d, config)
-    kept_exp = None if keep is None else jnp.where(keep, exp_d, 0.0)
+    tile_sum = exp_d
+    tile_shifted = None if shifted_vec is None else exp_d * d
+    tile_kept = None if keep is None else jnp.where(keep, exp_d, 0.0)
+    if config.scalar_sums:
+        tile_sum, tile_shifted, tile_kept = (
+            None if t is None else jnp.sum(t) for t in (tile_sum, tile_shifted, tile_kept))
 
     def rescaled():
         d_old = (row_max - new_max) * scale
         rescale = _exp2(d_old, config)
-        return (sum_vec * rescale + exp_d,
+        return (sum_vec * rescale + tile_sum,
                 None if shifted_vec is None
-                else rescale * (shifted_vec + d_old * sum_vec) + exp_d * d,
-                None if masked_vec is None else masked_vec * rescale + kept_exp)
+                else rescale * (shifted_vec + d_old * sum_vec) + tile_shifted,
+                None if masked_vec is None else masked_vec * rescale + tile_kept)
 
     def same_reference():  # rescale would be exactly 1 (d_old = 0)
-        return (sum_vec + exp_d,
-                None if shifted_vec is None else shifted_vec + exp_d * d,
-                None if masked_vec is None else masked_vec + kept_exp)
+        return (sum_vec + tile_sum,
+                None if shifted_vec is None else shifted_vec + tile_shifted,
+                None if masked_vec is None else masked_vec + tile_kept)
 
     if config.skip_rescale:
         # Uniform per program, and after the first few tiles of a row the max
@@ -209,7 +220,7 @@ def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_ent
     target = targets_ref[...]
     on_shard = (target >= 0) & (target < num_vocab)
     safe_target = jnp.where(on_shard, target, 0)
-    zeros = jnp.zeros((block_v,), jnp.float32)
+    zeros = jnp.zeros(() if config.scalar_sums else (block_v,), jnp.float32)
     neg = jnp.float32(NEG)
 
     def load(start, bounded):

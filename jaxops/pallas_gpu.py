@@ -50,20 +50,26 @@ class PallasConfig:
     skip_rescale: bool | None = None
     # Issue the next tile's loads before folding the current one (the tile is
     # carried through the loop in registers), so each program keeps two tiles of
-    # HBM reads in flight instead of one. None: the tuned default.
+    # HBM reads in flight instead of one. None: the tuned default (2-byte logits,
+    # except the forward with entropy).
     prefetch: bool | None = None
     # Reduce each tile's sums to scalars before accumulating (one cross-thread
     # reduction per sum and tile) instead of carrying per-lane accumulators:
-    # fewer registers per thread, so more programs per SM.
-    scalar_sums: bool = False
+    # fewer registers per thread, so more programs per SM. None: the tuned
+    # default (the forward with entropy, 2-byte logits).
+    scalar_sums: bool | None = None
     interpret: bool = False
 
 
-def _resolve(config: PallasConfig, num_vocab: int, *, masked: bool,
-             with_entropy: bool = True) -> PallasConfig:
-    """Fill in the tuned defaults (benchmarks/NOTES.md, tuning log): one tile size fits
-    fp32 and bf16; masked kernels carry a third per-lane vector and the mask bytes and
-    run faster on half the tile."""
+def _resolve(config: PallasConfig, num_vocab: int, *, masked: bool, itemsize: int,
+             with_entropy: bool = True, backward: bool = False) -> PallasConfig:
+    """Fill in the tuned defaults (benchmarks/NOTES.md, tuning log steps 3-7): one tile
+    size fits fp32 and bf16; masked kernels carry a third per-lane vector and the mask
+    bytes and run faster on half the tile. With 2-byte logits a tile is too few bytes in
+    flight per program: the forward with entropy reduces its sums per tile (fewer
+    registers, more programs per SM), the other kernels prefetch the next tile. fp32
+    keeps the plain kernels (at the roofline already)."""
+    narrow = itemsize < 4
     block_v = config.block_v or (1024 if masked else 2048)
     block_v = min(block_v, pl.next_power_of_2(max(num_vocab, 16)))
     if block_v & (block_v - 1):
@@ -75,7 +81,10 @@ def _resolve(config: PallasConfig, num_vocab: int, *, masked: bool,
         num_stages=config.num_stages or 2,
         skip_rescale=(not (with_entropy or masked) if config.skip_rescale is None
                       else config.skip_rescale),
-        prefetch=bool(config.prefetch),
+        prefetch=(narrow and (backward or not with_entropy) if config.prefetch is None
+                  else config.prefetch),
+        scalar_sums=(narrow and with_entropy and not backward if config.scalar_sums is None
+                     else config.scalar_sums),
     )
 
 
@@ -312,7 +321,8 @@ def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
                   config: PallasConfig = PallasConfig()) -> LocalStats:
     num_tokens, num_vocab = logits.shape
     masked = keep_mask is not None
-    config = _resolve(config, num_vocab, masked=masked, with_entropy=with_entropy)
+    config = _resolve(config, num_vocab, masked=masked, itemsize=logits.dtype.itemsize,
+                      with_entropy=with_entropy)
     row = varying_struct((num_tokens,), jnp.float32, logits, local_targets, keep_mask)
     num_out = 3 + with_entropy + 2 * masked
     kernel = functools.partial(
@@ -408,7 +418,8 @@ def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
                     config: PallasConfig = PallasConfig()) -> jax.Array:
     num_tokens, num_vocab = logits.shape
     masked = keep_mask is not None
-    config = _resolve(config, num_vocab, masked=masked)
+    config = _resolve(config, num_vocab, masked=masked, itemsize=logits.dtype.itemsize,
+                      backward=True)
     entropy = coefs.coef_shifted is not None
     rows = [local_targets.astype(jnp.int32), max_logit, coefs.coef_sum]
     rows += [coefs.coef_shifted] if entropy else []

@@ -49,7 +49,8 @@ def plot(results, out_path):
     combos = panels(results, V)
     if not combos:
         raise SystemExit("no rows to plot")
-    bw = (results.get("bandwidth") or {}).get("used_Bps")
+    _, meta = report.rows_run(results)  # the run the rows come from (--append)
+    bw = (meta.get("bandwidth") or {}).get("used_Bps")
     fig, axes = plt.subplots(3, len(combos), figsize=(3.6 * len(combos) + 1.5, 10),
                              squeeze=False, sharex=True,
                              gridspec_kw={"height_ratios": (1, 1, 0.6)})
@@ -119,9 +120,9 @@ def plot(results, out_path):
         ax.set_yticks([t for t in (1, 1.2, 1.5, 2, 3, 5, 10, 20, 50, 100) if t <= top * 1.05])
         ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%g"))
     dev = (results.get("device") or {}).get("name")
-    commit = ((results.get("git") or {}).get("commit") or "?")[:10]
+    commit = ((meta.get("git") or {}).get("commit") or "?")[:10]
     fig.suptitle(f"log-prob/entropy on {dev}: time vs T "
-                 f"(copy bandwidth {report.bandwidth(bw)}; commit {commit}, {results.get('date')})"
+                 f"(copy bandwidth {report.bandwidth(bw)}; commit {commit}, {meta.get('date')})"
                  if bw else f"log-prob/entropy on {dev}", fontsize=10)
     fig.legend(list(handles.values()), [h.get_label() for h in handles.values()],
                loc="lower center", ncol=min(len(handles), 5), fontsize=8, frameon=False)

@@ -189,3 +189,16 @@ def test_append_keeps_measured_rows_over_skipped_ones(tiny_results, tmp_path):
     for k in after:
         if k[0] != "jaxops-xla":
             assert after[k] == before[k], k
+
+
+def test_report_describes_the_run_the_rows_come_from():
+    """After --append has measured every row again, the README header and the plot's
+    title name that run (its commit, date, bandwidth), not the file's first run."""
+    report = _load("report")
+    first = {"date": "d0", "git": {"commit": "aaaaaaa"}, "bandwidth": {"used_Bps": 1e12}}
+    later = {"date": "d1", "git": {"commit": "bbbbbbb"}, "bandwidth": {"used_Bps": 2e12}}
+    rows = [{"run": 1}, {"run": 1}]
+    results = {**first, "runs": [first, later], "rows": rows}
+    assert report.rows_run(results) == ([1], {**results, **later})
+    mixed = {**results, "rows": [{"run": 0}, {"run": 1}]}
+    assert report.rows_run(mixed) == ([0, 1], mixed)

@@ -394,6 +394,29 @@ def test_kernel_variants(variant, num_vocab, dtype):
                                    rtol=tol, atol=tol, err_msg=field)
 
 
+@pytest.mark.parametrize("itemsize,masked,with_entropy,backward,expected", [
+    (2, False, True, False, dict(scalar_sums=True, prefetch=False, block_v=2048)),
+    (2, True, True, False, dict(scalar_sums=True, prefetch=False, block_v=1024)),
+    (2, False, False, False, dict(scalar_sums=False, prefetch=True, skip_rescale=True)),
+    (2, True, False, False, dict(scalar_sums=False, prefetch=True, skip_rescale=False)),
+    (2, True, True, True, dict(scalar_sums=False, prefetch=True)),
+    (4, False, True, False, dict(scalar_sums=False, prefetch=False)),
+    (4, True, False, True, dict(scalar_sums=False, prefetch=False, block_v=1024)),
+])
+def test_tuned_defaults(itemsize, masked, with_entropy, backward, expected):
+    """The defaults benchmarks/NOTES.md documents (tuning log steps 3-7); explicit fields win."""
+    from jaxops.pallas_gpu import _resolve
+
+    resolved = _resolve(jaxops.PallasConfig(), 151_936, masked=masked, itemsize=itemsize,
+                        with_entropy=with_entropy, backward=backward)
+    assert {k: getattr(resolved, k) for k in expected} == expected
+    assert (resolved.num_warps, resolved.num_stages) == (4, 2)
+    explicit = _resolve(jaxops.PallasConfig(block_v=512, prefetch=False, scalar_sums=False),
+                        151_936, masked=masked, itemsize=itemsize, with_entropy=with_entropy,
+                        backward=backward)
+    assert (explicit.block_v, explicit.prefetch, explicit.scalar_sums) == (512, False, False)
+
+
 @st.composite
 def random_calls(draw):
     return dict(

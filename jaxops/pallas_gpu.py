@@ -111,6 +111,17 @@ def _load_tile(ref, start, block_v, num_vocab, bounded: bool):
     return plt.load(ref.at[cols])
 
 
+def _tile_loader(logits_ref, mask_ref, block_v, num_vocab):
+    """`load(start, bounded) -> (stored logits, keep mask or None)` for `_stream_tiles`."""
+    def load(start, bounded):
+        stored = _load_tile(logits_ref, start, block_v, num_vocab, bounded)
+        keep = (None if mask_ref is None
+                else _load_keep(mask_ref, start, block_v, num_vocab, bounded))
+        return stored, keep
+
+    return load
+
+
 def _widen(stored):
     """fp32 logits clamped at _EXCLUDED (-inf and padding -> _EXCLUDED).
 
@@ -232,10 +243,7 @@ def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_ent
     zeros = jnp.zeros(() if config.scalar_sums else (block_v,), jnp.float32)
     neg = jnp.float32(NEG)
 
-    def load(start, bounded):
-        stored = _load_tile(logits_ref, start, block_v, num_vocab, bounded)
-        keep = _load_keep(mask_ref, start, block_v, num_vocab, bounded) if masked else None
-        return stored, keep
+    load = _tile_loader(logits_ref, mask_ref, block_v, num_vocab)
 
     def fold(start, bounded, tile, acc):
         stored, keep = tile
@@ -371,10 +379,7 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config):
     if masked:
         masked_neg_ref = _neg_reference(jnp.where(masked_max > NEG, masked_max, 0.0))
 
-    def load(start, bounded):
-        stored = _load_tile(logits_ref, start, block_v, num_vocab, bounded)
-        keep = _load_keep(mask_ref, start, block_v, num_vocab, bounded) if masked else None
-        return stored, keep
+    load = _tile_loader(logits_ref, mask_ref, block_v, num_vocab)
 
     def write_tile(start, bounded, tile, shared_reference):
         stored, keep = tile

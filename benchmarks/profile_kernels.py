@@ -17,17 +17,16 @@ import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jaxops  # noqa: E402
+from tune import pallas_config  # noqa: E402  (benchmarks/ is on sys.path as the script's folder)
 
 DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
-FLAGS = ("approx_exp2", "skip_rescale", "prefetch", "scalar_sums", "interpret")
+_CASE_KEYS = ("dtype", "case", "phase", "T", "V")
 
 
 def parse_variant(text):
     spec = dict(dtype="bf16", case="ent", phase="fwd", T="8192", V="151936")
     spec.update(kv.split("=") for kv in filter(None, text.split(",")))
-    config = {k: (bool(int(v)) if k in FLAGS else int(v)) for k, v in spec.items()
-              if k not in ("dtype", "case", "phase", "T", "V")}
-    return spec, jaxops.PallasConfig(**config)
+    return spec, pallas_config({k: v for k, v in spec.items() if k not in _CASE_KEYS})
 
 
 def run_variant(spec, config):

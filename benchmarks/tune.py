@@ -7,26 +7,30 @@ Each config is checked against the float64 reference on a small case first
 forward+backward, fp32 and bf16, entropy on/off, with a dense keep mask.
 Times are medians of 5 rounds of 20 back-to-back jitted calls over 2 input sets.
 """
-import argparse, json, os, sys, time, traceback
+import argparse, dataclasses, json, os, sys, time, traceback
 
 import numpy as np
 import jax
 import jax.numpy as jnp
 
-jax.config.update("jax_enable_x64", True)
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jaxops  # noqa: E402
 
 
+# PallasConfig's on/off fields take 0/1 on the command line, the others integers.
+_FLAG_FIELDS = {f.name for f in dataclasses.fields(jaxops.PallasConfig) if "bool" in str(f.type)}
+
+
+def pallas_config(pairs):
+    """{"block_v": "1024", "prefetch": "1"} -> PallasConfig(block_v=1024, prefetch=True)."""
+    return jaxops.PallasConfig(**{k: bool(int(v)) if k in _FLAG_FIELDS else int(v)
+                                  for k, v in pairs.items()})
+
+
 def parse_configs(text):
-    configs = []
-    for item in filter(None, text.split(";")):
-        kwargs = {}
-        for kv in filter(None, item.split(",")):
-            k, v = kv.split("=")
-            kwargs[k] = bool(int(v)) if k in ("approx_exp2", "skip_rescale", "prefetch", "scalar_sums") else int(v)
-        configs.append(jaxops.PallasConfig(**kwargs))
-    return configs
+    """"block_v=2048,num_warps=4;prefetch=1" -> [PallasConfig, ...]."""
+    return [pallas_config(dict(kv.split("=") for kv in filter(None, item.split(","))))
+            for item in filter(None, text.split(";"))]
 
 
 def max_errors(cfg, num_tokens=33, num_vocab=151936 // 8 + 5, dtype=jnp.bfloat16):
@@ -110,6 +114,7 @@ def main():
     parser.add_argument("--no-default", action="store_true",
                         help="do not time the default config first")
     args = parser.parse_args()
+    jax.config.update("jax_enable_x64", True)  # the float64 reference of check()
     configs = [] if args.no_default else [jaxops.PallasConfig()]
     configs += parse_configs(args.configs)
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)

@@ -339,6 +339,20 @@ def test_vocab_tiles(implementation, lead, num_vocab, dtype, mask, block_v):
                             implementation=implementation, pallas_config=config, seed=2)
 
 
+def check_variant_against_default(logits, targets, keep_mask, variant_flags, default_flags,
+                                  *, seed, tolerances):
+    """A Pallas kernel variant (`PallasConfig` flags, 128-wide tiles) and the default kernel:
+    each against the float64 reference, then against each other to `tolerances[field]`."""
+    outs = [check_against_reference(
+        logits, targets, keep_mask=keep_mask, temperature=0.9, implementation="pallas",
+        pallas_config=interpret_config(block_v=128, **flags), seed=seed)
+        for flags in (variant_flags, default_flags)]
+    for field, tol in tolerances.items():
+        np.testing.assert_allclose(np.asarray(getattr(outs[0], field), np.float32),
+                                   np.asarray(getattr(outs[1], field), np.float32),
+                                   rtol=tol, atol=tol, err_msg=field)
+
+
 @pytest.mark.parametrize("order", ["ascending", "descending", "random"])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
 def test_skip_rescale_variant(order, dtype):
@@ -350,16 +364,9 @@ def test_skip_rescale_variant(order, dtype):
                                              scale=4.0)
     if order != "random":
         logits = jnp.sort(logits, axis=-1, descending=order == "descending")
-    outs = {}
-    for skip in (False, True):
-        outs[skip] = check_against_reference(
-            logits, targets, keep_mask=keep_mask, temperature=0.9,
-            implementation="pallas",
-            pallas_config=interpret_config(block_v=128, skip_rescale=skip), seed=3)
-    for field in ("log_prob", "entropy"):
-        np.testing.assert_allclose(np.asarray(getattr(outs[True], field)),
-                                   np.asarray(getattr(outs[False], field)),
-                                   rtol=1e-6, atol=1e-6, err_msg=field)
+    check_variant_against_default(logits, targets, keep_mask, dict(skip_rescale=True),
+                                  dict(skip_rescale=False), seed=3,
+                                  tolerances={"log_prob": 1e-6, "entropy": 1e-6})
 
 
 KERNEL_VARIANTS = {"prefetch": dict(prefetch=True), "scalar_sums": dict(scalar_sums=True),
@@ -381,17 +388,10 @@ def test_kernel_variants(variant, num_vocab, dtype):
     far_row = np.zeros(logits.shape, bool)
     far_row[0, np.argmax(~np.asarray(keep_mask[0]))] = True  # one unkept column of row 0
     logits = jnp.where(jnp.asarray(far_row), jnp.asarray(1e4, dtype), logits)
-    outs = {}
-    for name, flags in (("default", {}), (variant, KERNEL_VARIANTS[variant])):
-        outs[name] = check_against_reference(
-            logits, targets, keep_mask=keep_mask, temperature=0.9, implementation="pallas",
-            pallas_config=interpret_config(block_v=128, **flags), seed=5)
     # Equal up to the order of additions (fp32), and one rounding for bf16 gradients.
-    for field, tol in (("log_prob", 1e-6), ("entropy", 1e-6),
-                       ("grad", 1e-6 if dtype == F32 else 8e-3)):
-        np.testing.assert_allclose(np.asarray(getattr(outs[variant], field), np.float32),
-                                   np.asarray(getattr(outs["default"], field), np.float32),
-                                   rtol=tol, atol=tol, err_msg=field)
+    check_variant_against_default(
+        logits, targets, keep_mask, KERNEL_VARIANTS[variant], {}, seed=5,
+        tolerances={"log_prob": 1e-6, "entropy": 1e-6, "grad": 1e-6 if dtype == F32 else 8e-3})
 
 
 @pytest.mark.parametrize("itemsize,masked,with_entropy,backward,expected", [

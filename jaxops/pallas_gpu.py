@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +22,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
+from jaxops import _triton_offsets
 from jaxops.stats import NEG, BackwardCoefs, LocalStats, varying_struct
 
 
@@ -59,6 +61,8 @@ class PallasConfig:
     # default (the forward with entropy, 2-byte logits).
     scalar_sums: bool | None = None
     interpret: bool = False
+    # Print the Triton IR of each kernel when it is lowered (tests read it).
+    debug: bool = False
 
 
 def _resolve(config: PallasConfig, num_vocab: int, *, masked: bool, itemsize: int,
@@ -325,8 +329,25 @@ def _compiler_params(config: PallasConfig):
     return plt.CompilerParams(num_warps=config.num_warps, num_stages=config.num_stages)
 
 
+def _lowering_indexes_safely(config: PallasConfig, *operands) -> bool:
+    """False where the Triton lowering would index an operand with wrapping 32-bit
+    offsets (see `_triton_offsets`); interpret mode indexes in XLA, always safely."""
+    if config.interpret or _triton_offsets.large_byte_operands_ok(*operands):
+        return True
+    warnings.warn(
+        "This JAX's Pallas Triton lowering indexes bool arrays of 2**31+ elements with "
+        "32-bit offsets and jaxops could not correct it; computing this call with the "
+        "XLA backend instead (correct, slower).", RuntimeWarning, stacklevel=3)
+    return False
+
+
 def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
                   config: PallasConfig = PallasConfig()) -> LocalStats:
+    if not _lowering_indexes_safely(config, logits, keep_mask):
+        from jaxops import xla
+
+        return xla.forward_stats(logits, local_targets, keep_mask, inv_tau=inv_tau,
+                                 with_entropy=with_entropy)
     num_tokens, num_vocab = logits.shape
     masked = keep_mask is not None
     config = _resolve(config, num_vocab, masked=masked, itemsize=logits.dtype.itemsize,
@@ -346,6 +367,7 @@ def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
         out_specs=[_row_spec()] * num_out,
         compiler_params=_compiler_params(config),
         interpret=config.interpret,
+        debug=config.debug,
         name="logprob_entropy_fwd",
     )(*inputs)
     outs = list(outs)
@@ -421,6 +443,11 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config):
 def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
                     coefs: BackwardCoefs, *, inv_tau,
                     config: PallasConfig = PallasConfig()) -> jax.Array:
+    if not _lowering_indexes_safely(config, logits, keep_mask):
+        from jaxops import xla
+
+        return xla.backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
+                                   coefs, inv_tau=inv_tau)
     num_tokens, num_vocab = logits.shape
     masked = keep_mask is not None
     config = _resolve(config, num_vocab, masked=masked, itemsize=logits.dtype.itemsize,
@@ -442,5 +469,6 @@ def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
         out_specs=_matrix_spec(num_vocab),
         compiler_params=_compiler_params(config),
         interpret=config.interpret,
+        debug=config.debug,
         name="logprob_entropy_bwd",
     )(*rows, *matrices)

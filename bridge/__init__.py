@@ -11,7 +11,8 @@ from bridge import _dlpack
 
 _dlpack.apply_memory_policy()  # before jax is imported below
 
+from bridge._checks import check_targets  # noqa: E402
 from bridge.op import logprob_entropy  # noqa: E402
 from bridge.slime import calculate_log_probs_and_entropy  # noqa: E402
 
-__all__ = ["calculate_log_probs_and_entropy", "logprob_entropy"]
+__all__ = ["calculate_log_probs_and_entropy", "check_targets", "logprob_entropy"]

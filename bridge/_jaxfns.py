@@ -1,14 +1,20 @@
 """The JAX side of the bridge: one jitted function per static configuration.
 
 Each function closes over everything static (shard index, temperature, flags,
-backend, launch config), so a call is a plain `jit` dispatch on arrays -- the
-C++ fast path, no hashing of Python objects, no retracing. New shapes compile
-once each (per distinct `T`, `V_loc`, dtype).
+implementation, launch config), so a call is a plain `jit` dispatch on arrays -- the
+C++ fast path, no hashing of Python objects, no retracing. They are called on row
+windows (`_windows.py`), so the shapes they see are `[b, V_loc]` for a few window
+sizes b: each function compiles once per window size, never per T.
 
 Targets arrive as torch stores them. int64 ids are passed as their raw bytes,
 viewed as int32 pairs by torch (no copy, no JAX x64 conversion), and decoded
 here: the low word when the high word is its sign extension, else -1 (out of
 range, so that row's log-prob is NaN rather than a wrapped-around id).
+
+Packed layouts (float32): `outputs [n_out, b]` = log_prob and, with entropy, entropy;
+`stats [K, b]` = this shard's statistics (`staged.num_packed`); the backward's
+incoming gradients arrive token-major, `d_out [b, n]` (d log_prob and/or d entropy),
+so that a window of them is a contiguous slice of torch's `[T, n]` tensor.
 """
 
 from __future__ import annotations
@@ -29,10 +35,14 @@ def decode_targets(raw, mode: str):
     return jnp.where(high == (low >> 31), low, -1)
 
 
+def _pack_outputs(log_prob, entropy):
+    return jnp.stack([log_prob] + ([entropy] if entropy is not None else []))
+
+
 @functools.lru_cache(maxsize=None)
 def local_forward(*, shard_index, world, inv_tau, with_entropy, masked, backend, config,
                   target_mode):
-    """world == 1: (log_prob, entropy | None, stats [1, K, T]); else packed stats [K, T]."""
+    """world == 1: (outputs [n_out, b], stats [1, K, b]); else this shard's stats [K, b]."""
 
     def fn(logits, raw_targets, keep_mask):
         targets = decode_targets(raw_targets, target_mode)
@@ -45,37 +55,39 @@ def local_forward(*, shard_index, world, inv_tau, with_entropy, masked, backend,
         log_prob, entropy = staged.combine_gathered(
             gathered, targets, num_vocab=logits.shape[-1], with_entropy=with_entropy,
             masked=masked)
-        return log_prob, entropy, gathered
+        return _pack_outputs(log_prob, entropy), gathered
 
     return jax.jit(fn)
 
 
 @functools.lru_cache(maxsize=None)
 def combine(*, num_vocab, with_entropy, masked, target_mode):
-    """All shards' stats [R, K, T] -> (log_prob, entropy | None)."""
+    """All shards' stats [R, K, b] -> outputs [n_out, b]."""
 
     def fn(gathered, raw_targets):
-        return staged.combine_gathered(
+        return _pack_outputs(*staged.combine_gathered(
             gathered, decode_targets(raw_targets, target_mode), num_vocab=num_vocab,
-            with_entropy=with_entropy, masked=masked)
+            with_entropy=with_entropy, masked=masked))
 
     return jax.jit(fn)
 
 
 @functools.lru_cache(maxsize=None)
 def local_backward(*, shard_index, inv_tau, with_entropy, entropy_grad, masked, has_d_log_prob,
-                   has_d_entropy, backend, config, target_mode):
-    """d loss / d logits of this shard, no collective."""
+                   has_d_entropy, backend, config, target_mode, write_through):
+    """d loss / d logits of this shard, no collective.
 
-    def fn(logits, raw_targets, keep_mask, gathered, d_out):
-        # d_out [n, T]: d log_prob and/or d entropy, in that order, as present.
+    write_through: fn(..., into) stores the gradient into `into` (torch's tensor) and
+    returns a [b] array that is ready when it is written; else fn(...) returns it."""
+
+    def fn(logits, raw_targets, keep_mask, gathered, d_out, into=None):
         targets = decode_targets(raw_targets, target_mode)
-        d_log_prob = d_out[0] if has_d_log_prob else jnp.zeros(targets.shape, jnp.float32)
-        d_entropy = d_out[-1] if has_d_entropy else None
+        d_log_prob = d_out[:, 0] if has_d_log_prob else jnp.zeros(targets.shape, jnp.float32)
+        d_entropy = d_out[:, -1] if has_d_entropy else None
         return staged.local_backward(
             logits, targets, keep_mask if masked else None, gathered, shard_index,
             d_log_prob, d_entropy, inv_tau=inv_tau,
             with_entropy=with_entropy, entropy_grad=entropy_grad, backend=backend,
-            config=config)
+            config=config, into=into if write_through else None)
 
     return jax.jit(fn)

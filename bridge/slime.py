@@ -22,7 +22,7 @@ def calculate_log_probs_and_entropy(
     log_prob_keep_mask: Optional[torch.Tensor] = None,
     with_entropy_grad: bool = True,
     *,
-    check_targets: bool = True,
+    check_targets: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """slime's signature, shapes and results, computed by the fused JAX/Pallas op.
 

@@ -379,7 +379,7 @@ def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
                       masked_max, masked_sum_exp)
 
 
-def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config):
+def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, write_through, config):
     block_v = config.block_v
     refs = list(refs)
     target = refs.pop(0)[...]
@@ -393,7 +393,11 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config):
         coef_masked = refs.pop(0)[...] * inv_tau
     logits_ref = refs.pop(0)
     mask_ref = refs.pop(0) if masked else None
-    (dlogits_ref,) = refs
+    if write_through:  # the gradient goes to memory passed in as an input (see backward_logits)
+        dlogits_ref, done_ref = refs
+        done_ref[...] = jnp.float32(1)
+    else:
+        (dlogits_ref,) = refs
 
     scale = inv_tau * _LOG2E
     # Rows whose max is -inf have no finite logit: any finite reference works.
@@ -440,9 +444,31 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config):
         sweep(False)
 
 
+def can_write_into(logits, keep_mask, config: PallasConfig) -> bool:
+    """Whether `backward_logits(..., into=buffer)` can write the gradient into `buffer`:
+    only compiled kernels store through their refs to the caller's memory."""
+    return not config.interpret and _lowering_indexes_safely(config, logits, keep_mask)
+
+
 def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
                     coefs: BackwardCoefs, *, inv_tau,
-                    config: PallasConfig = PallasConfig()) -> jax.Array:
+                    config: PallasConfig = PallasConfig(), into=None) -> jax.Array:
+    """d loss / d logits `[T, V_loc]` in the logits' dtype.
+
+    With `into` (a `[T, V_loc]` array of the logits' dtype, e.g. a DLPack view of
+    memory another framework allocated), the kernel stores the gradient into that
+    buffer instead of allocating one, and returns a `[T]` float32 array of ones that
+    is ready when the buffer is written. XLA treats `into` as a read-only input: the
+    caller must not read it through JAX afterwards, only through its owner (the
+    PyTorch bridge gives JAX the gradient tensor torch allocated). Needs
+    `can_write_into(...)`; the interpreter would write into a copy.
+    """
+    if into is not None:
+        if not can_write_into(logits, keep_mask, config):
+            raise ValueError("backward_logits(into=...) needs the compiled Pallas kernels")
+        if into.shape != logits.shape or into.dtype != logits.dtype:
+            raise ValueError(f"into must be {logits.shape} {logits.dtype}, "
+                             f"got {into.shape} {into.dtype}")
     if not _lowering_indexes_safely(config, logits, keep_mask):
         from jaxops import xla
 
@@ -458,15 +484,23 @@ def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
     rows += [coefs.coef_target]
     rows += [masked_max, coefs.coef_masked] if masked else []
     matrices = [logits] + ([keep_mask] if masked else [])
+    write_through = into is not None
     kernel = functools.partial(
         _backward_kernel, num_vocab=num_vocab, inv_tau=float(inv_tau),
-        entropy=entropy, masked=masked, config=config)
+        entropy=entropy, masked=masked, write_through=write_through, config=config)
+    if write_through:
+        matrices.append(into)
+        out_shape = varying_struct((num_tokens,), jnp.float32, *rows, *matrices)
+        out_spec = _row_spec()
+    else:
+        out_shape = varying_struct(logits.shape, logits.dtype, *rows, *matrices)
+        out_spec = _matrix_spec(num_vocab)
     return pl.pallas_call(
         kernel,
-        out_shape=varying_struct(logits.shape, logits.dtype, *rows, *matrices),
+        out_shape=out_shape,
         grid=(num_tokens,),
         in_specs=[_row_spec()] * len(rows) + [_matrix_spec(num_vocab)] * len(matrices),
-        out_specs=_matrix_spec(num_vocab),
+        out_specs=out_spec,
         compiler_params=_compiler_params(config),
         interpret=config.interpret,
         debug=config.debug,

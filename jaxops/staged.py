@@ -83,8 +83,13 @@ def combine_gathered(gathered, targets, *, num_vocab, with_entropy, masked):
 @functools.partial(
     jax.jit, static_argnames=("inv_tau", "with_entropy", "entropy_grad", "backend", "config"))
 def local_backward(logits, targets, keep_mask, gathered, shard_index, d_log_prob, d_entropy,
-                   *, inv_tau, with_entropy, entropy_grad, backend, config=()) -> jax.Array:
-    """d loss / d logits `[T, V_loc]` (logits' dtype) for this shard, no collective."""
+                   *, inv_tau, with_entropy, entropy_grad, backend, config=(),
+                   into=None) -> jax.Array:
+    """d loss / d logits `[T, V_loc]` (logits' dtype) for this shard, no collective.
+
+    `into`: Pallas only -- a `[T, V_loc]` buffer the kernel writes the gradient into;
+    then the result is a `[T]` array that is ready once it is written (see
+    `pallas_gpu.backward_logits`)."""
     masked = keep_mask is not None
     num_vocab = logits.shape[-1]
     total_vocab = num_vocab * gathered.shape[0]
@@ -100,6 +105,7 @@ def local_backward(logits, targets, keep_mask, gathered, shard_index, d_log_prob
     coefs = backward_coefs(_unpack(d_packed, with_entropy, masked),
                            with_entropy and entropy_grad, masked)
     own = _unpack(gathered[shard_index], with_entropy, masked)
+    extra = {} if into is None else {"into": into}
     return _backend(backend).backward_logits(
         logits, _local_targets(targets, shard_index, num_vocab), keep_mask,
-        own.max_logit, own.masked_max, coefs, inv_tau=inv_tau, config=config)
+        own.max_logit, own.masked_max, coefs, inv_tau=inv_tau, config=config, **extra)

@@ -327,21 +327,25 @@ def _extra_checks(rank, world, group, device, timings):
         timings[name] = time.perf_counter() - t0
 
     def collectives():
-        x = torch.randn(5, V_LOCAL, device=device, requires_grad=True)
-        y = torch.randint(0, world * V_LOCAL, (5,), generator=torch.Generator().manual_seed(1))
-        y = y.to(device)
-        with CollectiveCounter() as c:
-            lp, h = bridge.logprob_entropy(x, y, process_group=group)
-        first = c.count
-        with CollectiveCounter() as c:
-            lp, h = bridge.logprob_entropy(x, y, process_group=group)
-        steady = c.count
+        import torch.distributed as dist
+
+        fresh = dist.new_group(list(range(world)))  # a group the bridge has not seen
+        counts = []
+        for num_tokens in (5, 6, 5):  # a new T needs no new check
+            x = torch.randn(num_tokens, V_LOCAL, device=device, requires_grad=True)
+            y = torch.randint(0, world * V_LOCAL, (num_tokens,),
+                              generator=torch.Generator().manual_seed(1)).to(device)
+            with CollectiveCounter() as c:
+                lp, h = bridge.logprob_entropy(x, y, process_group=fresh)
+            counts.append(c.count)
         with CollectiveCounter() as c:
             torch.autograd.grad([lp, h], x, [torch.ones_like(lp), torch.ones_like(h)])
-        backward = c.count
-        assert (first, steady, backward) == (2, 1, 0), (
-            f"collectives: first forward {first} (want 2: shape check + all-gather), "
-            f"later forward {steady} (want 1), backward {backward} (want 0)")
+        with CollectiveCounter() as opt_in:
+            bridge.logprob_entropy(x, y, process_group=fresh, check_targets=True)
+        assert (counts, c.count, opt_in.count) == ([2, 1, 1], 0, 2), (
+            f"collectives: forwards {counts} (want 2 on the group's first call: shard "
+            f"check + all-gather, then 1 whatever T), backward {c.count} (want 0), "
+            f"check_targets=True {opt_in.count} (want 2: shard check every call)")
 
     def unequal_shards():
         v_loc = V_LOCAL + (1 if rank == world - 1 else 0)
@@ -350,8 +354,8 @@ def _extra_checks(rank, world, group, device, timings):
         calls = []
         orig = _jaxfns.local_forward
         _jaxfns.local_forward = lambda **k: calls.append(k) or orig(**k)
-        try:
-            bridge.logprob_entropy(x, y, process_group=group)
+        try:  # the group is not new: only the opt-in check runs the collective shape check
+            bridge.logprob_entropy(x, y, process_group=group, check_targets=True)
         except ValueError as err:
             assert "same shape" in str(err) and "V_loc" in str(err), str(err)
         else:

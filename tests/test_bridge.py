@@ -122,14 +122,28 @@ def test_int64_targets_outside_int32_give_nan_not_wrapped_ids():
     assert torch.isfinite(lp[[0, 4, 5]]).all() and torch.isfinite(h).all()
 
 
-def test_out_of_range_targets_raise_naming_the_row(no_kernels):
+def test_out_of_range_targets_give_nan_rows_by_default():
+    """The default makes no host sync: bad ids are NaN in their rows, the rest exact."""
+    x, y, _ = _inputs(T=5, V=11)
+    good_lp, good_h = bridge.logprob_entropy(x, y)
+    y[1], y[3] = 11, -2
+    lp, h = bridge.logprob_entropy(x, y)
+    assert torch.isnan(lp[[1, 3]]).all(), lp
+    assert torch.equal(lp[[0, 2, 4]], good_lp[[0, 2, 4]]) and torch.equal(h, good_h)
+    lp2, _ = bridge.calculate_log_probs_and_entropy(x, y, None)
+    assert torch.isnan(lp2[[1, 3], 0]).all()
+
+
+def test_out_of_range_targets_raise_naming_the_row_when_asked(no_kernels):
     x, y, _ = _inputs(T=5, V=11)
     y[3] = 11
     with pytest.raises(ValueError, match=r"\[0, 11\).*3: 11"):
-        bridge.logprob_entropy(x, y)
+        bridge.logprob_entropy(x, y, check_targets=True)
+    with pytest.raises(ValueError, match=r"\[0, 11\).*3: 11"):
+        bridge.check_targets(y, 11)
     y[3] = -2
     with pytest.raises(ValueError, match=r"3: -2"):
-        bridge.calculate_log_probs_and_entropy(x, y, None)
+        bridge.calculate_log_probs_and_entropy(x, y, None, check_targets=True)
 
 
 def test_target_check_is_cached_but_sees_in_place_changes(monkeypatch):
@@ -138,13 +152,15 @@ def test_target_check_is_cached_but_sees_in_place_changes(monkeypatch):
     aminmax = torch.aminmax
     monkeypatch.setattr(torch, "aminmax", lambda t: calls.append(1) or aminmax(t))
     bridge.logprob_entropy(x, y)
-    bridge.logprob_entropy(x, y)
+    assert not calls, "the default call read the targets back to the host"
+    bridge.logprob_entropy(x, y, check_targets=True)
+    bridge.logprob_entropy(x, y, check_targets=True)
     assert len(calls) == 1, "an unchanged, already checked targets tensor was re-read"
-    bridge.logprob_entropy(x, y.clone())
+    bridge.logprob_entropy(x, y.clone(), check_targets=True)
     assert len(calls) == 2
     y[2] = 11  # in place: bumps the version counter
     with pytest.raises(ValueError, match="2: 11"):
-        bridge.logprob_entropy(x, y)
+        bridge.logprob_entropy(x, y, check_targets=True)
 
 
 # ---------------------------------------------------------------------------
@@ -197,7 +213,7 @@ def _bad_calls():
         ("logits misaligned", ValueError, "aligned.*does not copy",
          dict(logits=big[1:])),
         ("out-of-range target", ValueError, r"\[0, 12\)",
-         dict(targets=torch.tensor([0, 1, 12, 3]))),
+         dict(targets=torch.tensor([0, 1, 12, 3]), check_targets=True)),
     ]
     return [pytest.param(expected, pattern, dict(dict(logits=x, targets=y), **kw), id=name)
             for name, expected, pattern, kw in cases]

@@ -30,7 +30,8 @@ combination at every size (224 cases; more than one 10-minute device call: split
 log-prob-only and bf16 with entropy at T = 32768, 1024 and V_loc (98 cases, < 8 min incl.
 compiles, and a --budget-s guard that starts no case after 450 s); --tiny = CPU smoke run.
 The sizes run in priority order and the JSON is rewritten after every case, so a timeout
-still leaves every finished row.
+still leaves every finished row. --budget-s S: no case starts once S seconds have passed
+(S = 0: none starts, every row says "skipped: time budget"); --budget-s none: no budget.
 
 The cases are in cases.py, the implementations in impls.py, the measurement rules (also
 recorded in the JSON under "method") in runner.py's doc, the roofline and the timing loop
@@ -43,6 +44,7 @@ if __name__ == "__main__" and not __package__:  # run by path: see benchmarks/__
 
 import argparse
 import dataclasses
+import math
 import os
 import platform
 import sys
@@ -80,8 +82,9 @@ def build_parser():
     add("--max-calls", type=int, default=None)
     add("--max-input-gb", type=float, default=16.0,
         help="use 2 rotating input sets when they fit in this, else 1")
-    add("--budget-s", type=float, default=None,
-        help="start no new case after this many seconds (rows say so)")
+    add("--budget-s", type=harness.budget_seconds, default=None,
+        help="start no new case after this many seconds (rows say so); 0: start none; "
+             "'none': no budget (default: 450 with --quick, else none)")
     add("--temperature", type=float, default=1.0,
         help="tau (1.0: Megatron, which takes none, computes the same thing)")
     add("--pallas-config", default="",
@@ -141,6 +144,8 @@ def main(argv=None):
     args.max_calls = args.max_calls or defaults[2]
     if args.budget_s is None:
         args.budget_s = defaults[3]
+    elif math.isinf(args.budget_s):  # --budget-s none
+        args.budget_s = None
     args.pallas_config = (harness.pallas_config(args.pallas_config)
                           if args.pallas_config.strip(" ,") else None)
     args.bridge_kwargs = harness.parse_kwargs(args.bridge_kwargs)
@@ -176,7 +181,7 @@ def main(argv=None):
             group = (case.T, case.V)
             bench.new_size()
         elapsed = time.perf_counter() - t_start
-        if args.budget_s and elapsed > args.budget_s:
+        if args.budget_s is not None and elapsed > args.budget_s:
             row = dict(dataclasses.asdict(case))
             row.update(status=f"skipped: time budget ({args.budget_s:.0f} s) spent",
                        framework=None, run=run_index)

@@ -12,6 +12,7 @@ script decides when JAX starts, e.g. after `XLA_PYTHON_CLIENT_PREALLOCATE` is se
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.metadata
 import json
@@ -179,6 +180,21 @@ def pallas_config(pairs):
 def parse_pallas_configs(text):
     """"block_v=2048,num_warps=4;prefetch=1" -> [PallasConfig, ...]."""
     return [pallas_config(item) for item in filter(None, text.split(";"))]
+
+
+def budget_seconds(text):
+    """argparse type of --budget-s: seconds >= 0 (0: start no case at all), or `none`
+    (no budget; returned as math.inf)."""
+    if text.strip().lower() in ("none", "inf", "off"):
+        return math.inf
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected seconds >= 0 (0 starts no case) or 'none' (no budget)")
+    return value
 
 
 # ---------------------------------------------------------------------------- results

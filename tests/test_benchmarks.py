@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from benchmarks import cases, harness, report  # stdlib-only at import time
+from benchmarks import bench, cases, harness, report  # stdlib-only at import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(REPO, "benchmarks")
@@ -49,8 +49,8 @@ def _module_available(name):
 @pytest.fixture(scope="module")
 def tiny_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "cpu.json"
-    stdout = _run("-m", "benchmarks.bench", "--tiny", "--budget-s", "0",
-                  "--device-name", "cpu-test", "--out", str(out))
+    stdout = _run("-m", "benchmarks.bench", "--tiny", "--device-name", "cpu-test",
+                  "--out", str(out))
     assert "speed-up of jaxops-pallas" in stdout
     with open(out) as f:
         return out, json.load(f)
@@ -82,6 +82,19 @@ def test_time_calls_rotates_warms_up_and_takes_the_median():
     assert len(timing.times) == 3 and list(timing.times) == sorted(timing.times)
     assert timing.seconds == timing.times[1]
     assert harness.time_calls(lambda: None, reps=4, calls=2, sync=id, warmup=0).seconds >= 0
+
+
+def test_budget_seconds():
+    assert harness.budget_seconds("0") == 0.0
+    assert harness.budget_seconds("450") == 450.0
+    assert math.isinf(harness.budget_seconds("none"))
+    for bad in ("-1", "nan", "soon"):
+        with pytest.raises(Exception, match="seconds >= 0"):
+            harness.budget_seconds(bad)
+    parser = bench.build_parser()
+    assert parser.parse_args(["--budget-s", "0"]).budget_s == 0.0
+    with pytest.raises(SystemExit):  # argparse: a clear error, not "no budget"
+        parser.parse_args(["--budget-s", "-5"])
 
 
 def test_filters_select_cases():
@@ -209,12 +222,13 @@ def test_plot_and_report(tiny_results, tmp_path):
 @pytest.mark.slow
 def test_append_keeps_measured_rows_over_skipped_ones(tiny_results, tmp_path):
     """--append replaces re-measured rows, but a case the new run skips (here: a spent time
-    budget) keeps its earlier measurement, with a note naming both runs."""
+    budget; --budget-s 0 starts no case) keeps its earlier measurement, with a note naming
+    both runs."""
     json_path, results = tiny_results
     out = tmp_path / "appended.json"
     out.write_text(json_path.read_text())
     stdout = _run(os.path.join("benchmarks", "bench.py"), "--tiny", "--append",
-                  "--filter", "impl=jaxops-xla", "--budget-s", "0.001",
+                  "--filter", "impl=jaxops-xla", "--budget-s", "0",
                   "--device-name", "cpu-test", "--out", str(out))
     assert "kept from run 0" in stdout
     appended = json.loads(out.read_text())

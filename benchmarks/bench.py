@@ -102,15 +102,16 @@ def build_parser():
 
 def raise_compile_cache_limits():
     """torch.compile: one cache entry per (dtype, grad mode, shape class) per function; the
-    default limit (8) would silently fall back to eager."""
+    default limit (8) would silently fall back to eager. The error text, or None."""
     try:
         import torch._dynamo as dynamo
         for name in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
                      "accumulated_recompile_limit"):
             if hasattr(dynamo.config, name):
                 setattr(dynamo.config, name, 1024)
-    except Exception:
-        pass
+    except Exception as exc:
+        return f"torch.compile cache limits not raised: {harness.short_error(exc)}"
+    return None
 
 
 def main(argv=None):
@@ -155,11 +156,13 @@ def main(argv=None):
                 else platform.processor() or platform.machine() or "cpu")
     device_name = args.device_name or ("cpu" if not args.on_gpu else harness.slug(gpu_name))
     out_path = args.out or os.path.join(HERE, "results", f"{device_name}.json")
-    raise_compile_cache_limits()
+    warnings = [w for w in (raise_compile_cache_limits(),) if w]
 
     bench = Bench(args, torch, jax)
     results = describe(args, mode, filters, torch, jax, gpu_name, device_name,
                        bench.jax_mem().keys(), argv)
+    for warning in warnings:  # recorded (results["warnings"]) and printed, never hidden
+        print(f"[bench] warning: {warning}", flush=True)
     print(f"[bench] {mode}: {len(cases)} cases on {gpu_name} ({jax.devices()[0]}), jax "
           f"{jax.__version__}, torch {torch.__version__}; writing {out_path}", flush=True)
     bench.bandwidth = results["bandwidth"] = bench.measure_bandwidth()
@@ -173,6 +176,8 @@ def main(argv=None):
     if args.append and os.path.exists(out_path):
         earlier = merge_previous(results, out_path, device_name, cases, run_meta)
     run_index = len(results["runs"]) - 1
+    if warnings:
+        results["warnings"] = warnings
     write_json(out_path, results)
 
     group = None
@@ -205,7 +210,9 @@ def main(argv=None):
     print()
     print(report.text_speedups(results))
     print(f"\n[bench] done in {results['elapsed_s']:.0f} s; results in {out_path}", flush=True)
-    bench.impls.close()
+    error = bench.impls.close()
+    if error:
+        print(f"[bench] warning: destroying Megatron's process group failed: {error}", flush=True)
     return 0
 
 

@@ -4,9 +4,9 @@ bool keep mask m [T, V] (cases.IMPLS lists them; bench.py's doc says what each i
 
 from __future__ import annotations
 
-import inspect
 import os
 import tempfile
+import traceback
 
 from benchmarks.harness import short_error
 
@@ -90,24 +90,29 @@ class Implementations:
         return self._megatron
 
     def close(self):
-        """Destroy the process group Megatron ran in, if it ran."""
+        """Destroy the process group Megatron ran in, if it ran: the error text, or None."""
         if self._megatron is None:
-            return
+            return None
         try:
             import torch.distributed as dist
             dist.destroy_process_group()
-        except Exception:
-            pass
+        except Exception as exc:
+            return short_error(exc)
+        return None
 
     def bridge(self):
+        """bridge.logprob_entropy. The bridge is part of this repository and PyTorch is
+        installed (bench.py imports it), so a failing import is a broken bridge: it raises
+        (the case's row records the error), it is never a skip."""
         if self._bridge is None and self._bridge_error is None:
             try:
                 import bridge as bridge_mod
-                fn = bridge_mod.logprob_entropy
-                params = inspect.signature(fn).parameters
-                self._bridge = (fn, "temperature" in params)
+                self._bridge = bridge_mod.logprob_entropy
             except Exception as exc:
+                traceback.print_exc()
                 self._bridge_error = short_error(exc)
+        if self._bridge_error:
+            raise RuntimeError(f"bridge not importable: {self._bridge_error}")
         return self._bridge
 
     def torch_forward_fn(self, case):
@@ -126,12 +131,8 @@ class Implementations:
                 return -loss.view(T), None
             return fn
         if case.impl == "bridge":
-            fn, takes_tau = self.bridge()
-            extra = {"temperature": self.tau} if takes_tau else {}
-            if not takes_tau and self.tau != 1.0:
-                raise RuntimeError("bridge.logprob_entropy takes no temperature")
-
-            extra.update(self.bridge_kwargs)
+            fn = self.bridge()
+            extra = {"temperature": self.tau, **self.bridge_kwargs}
 
             def bridged(x, y, m):
                 return fn(x, y, keep_mask=m, with_entropy=case.entropy,

@@ -169,8 +169,6 @@ class Bench:
             return "n/a: Megatron's fused CE has no entropy and no keep mask"
         if case.impl == "torch-compile" and self.args.tiny and not self.args.with_compile:
             return "skipped: torch.compile is not run in --tiny (slow on CPU; --with-compile)"
-        if case.impl == "bridge" and self.impls.bridge() is None:
-            return f"skipped: bridge not importable ({self.impls._bridge_error})"
         if case.impl == "megatron":
             try:
                 self.impls.megatron()
@@ -204,7 +202,7 @@ class Bench:
                 self._run_jax(case, row)
             else:
                 self._run_torch(case, row)
-        except Exception as exc:  # input generation failed (OOM) or similar
+        except Exception as exc:  # input generation failed (OOM), a broken bridge, ...
             failed = True
             status = "OOM" if is_oom(exc) else f"error: {short_error(exc)}"
             if not is_oom(exc):
@@ -295,15 +293,18 @@ class Bench:
         return int(extra)
 
     def _record_outputs(self, row, phase, out):
-        """Means of the outputs: a cheap cross-implementation sanity check."""
+        """Means of the outputs: a cheap cross-implementation sanity check. A failure to
+        read them is recorded in the row (outputs_error) and printed."""
         if phase != "fb":
             return
         try:
             lp, h = out[0], out[1]
             row["lp_mean"] = float(self._to_float(lp.mean()))
             row["h_mean"] = None if h is None else float(self._to_float(h.mean()))
-        except Exception:
-            pass
+        except Exception as exc:
+            row["outputs_error"] = short_error(exc)
+            print(f"[bench] {row['impl']} {row['dtype']} T={row['T']} V={row['V']}: "
+                  f"could not read the outputs' means: {row['outputs_error']}", flush=True)
 
     @staticmethod
     def _to_float(value):

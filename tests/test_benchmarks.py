@@ -48,6 +48,8 @@ def _module_available(name):
 
 @pytest.fixture(scope="module")
 def tiny_results(tmp_path_factory):
+    if not _module_available("torch"):
+        pytest.skip("bench.py compares against PyTorch, which is not installed")
     out = tmp_path_factory.mktemp("bench") / "cpu.json"
     stdout = _run("-m", "benchmarks.bench", "--tiny", "--device-name", "cpu-test",
                   "--out", str(out))
@@ -139,6 +141,17 @@ def test_readme_table_is_the_committed_json():
     assert report.START + "\n" + md + report.END in readme
 
 
+def test_a_broken_bridge_is_an_error_not_a_skip(monkeypatch):
+    """bench.py imports PyTorch, so a bridge that fails to import is broken: its cases
+    raise (the row says "error: ..."), they are not skipped."""
+    from benchmarks import impls
+    monkeypatch.setitem(sys.modules, "bridge", None)  # `import bridge` now raises
+    implementations = impls.Implementations(None, None, tau=1.0, on_gpu=False)
+    case = cases.Case("bridge", "float32", 4, 8, True, False)
+    with pytest.raises(RuntimeError, match="bridge not importable"):
+        implementations.torch_forward_fn(case)
+
+
 @pytest.mark.slow
 def test_tiny_run_has_every_row(tiny_results):
     _, results = tiny_results
@@ -155,7 +168,9 @@ def test_tiny_run_has_every_row(tiny_results):
     assert set(rows) == expected
     assert {r["impl"] for r in results["rows"]} == set(cases.IMPLS)
 
-    must_run = {"jaxops-pallas", "jaxops-xla", "jax-jit", "torch-eager"}
+    # The bridge must run: PyTorch is installed (the fixture skips otherwise), so a bridge
+    # that fails to import is broken, and its row says "error: ...", which fails here.
+    must_run = {"jaxops-pallas", "jaxops-xla", "jax-jit", "torch-eager", "bridge"}
     if _module_available("megatron.core"):
         must_run.add("megatron")
     for key, row in rows.items():
@@ -167,12 +182,10 @@ def test_tiny_run_has_every_row(tiny_results):
         if impl == "torch-compile":
             assert status.startswith("skipped: torch.compile"), (key, status)
             continue
-        if impl == "bridge" and status.startswith("skipped: bridge not importable"):
-            continue  # the bridge is optional for the harness
         if impl == "megatron" and impl not in must_run:
             assert status.startswith("skipped: megatron-core not usable"), (key, status)
             continue
-        assert impl in must_run or impl == "bridge", (key, status)
+        assert impl in must_run, (key, status)
         assert status == "ok", (key, status, row.get("fwd_status"), row.get("fb_status"))
         for phase in ("fwd", "fb"):
             for field in ("ms", "roof_ms", "x_roof"):

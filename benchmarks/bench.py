@@ -75,7 +75,8 @@ def build_parser():
     add("--filter", action="append", default=[],
         help="key=v1,v2 with key in impl (glob), dtype, T, V, entropy, mask; "
              "repeat (or separate with ';') to AND them")
-    add("--with-compile", action="store_true", help="run torch.compile also in --tiny (slow on CPU)")
+    add("--with-compile", action="store_true",
+        help="run torch.compile also in --tiny (slow on CPU)")
     add("--reps", type=int, default=None, help="repetitions (median over them)")
     add("--target-ms", type=float, default=None,
         help="duration of one repetition (sets the calls per repetition)")

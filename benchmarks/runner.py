@@ -4,18 +4,19 @@ bandwidth the roofline divides by.
 Measurement rules (all recorded in the JSON under "method"):
 
 * Roofline = bytes that must move (harness.roofline_bytes) / copy bandwidth. Forward:
-  T*V*itemsize (+ T*V for the bool mask). Forward+backward: three passes of the logits (read, read, write the
-  gradient) + two reads of the mask. The bandwidth is measured in this run (bytes read +
-  written): a torch device-to-device `copy_`, a torch elementwise scale and a jax.jit
-  elementwise scale of a large array; the roofline uses the MAX of the three (the
-  strictest roofline).
-* Time (harness.time_calls): loop of N calls over rotating, fresh random input sets (2 sets when they fit in
-  16 GB, else 1: the inputs are GBs, far beyond the 50 MB L2), then one synchronisation;
-  time / N, median over R repetitions (throughput: host dispatch overlaps the device, the
-  same for every implementation). JAX: `block_until_ready` on the last output, wall clock.
-  torch-only implementations: CUDA events around the loop. The bridge (work on torch's and
-  JAX's streams): wall clock around the loop + `torch.cuda.synchronize()`.
-  N is chosen from a warm-up call so one repetition lasts ~target ms.
+  T*V*itemsize (+ T*V for the bool mask). Forward+backward: three passes of the logits
+  (read, read, write the gradient) + two reads of the mask. The bandwidth is measured in
+  this run (bytes read + written): a torch device-to-device `copy_`, a torch elementwise
+  scale and a jax.jit elementwise scale of a large array; the roofline uses the MAX of
+  the three (the strictest roofline).
+* Time (harness.time_calls): loop of N calls over rotating, fresh random input sets (2
+  sets when they fit in 16 GB, else 1: the inputs are GBs, far beyond the 50 MB L2), then
+  one synchronisation; time / N, median over R repetitions (throughput: host dispatch
+  overlaps the device, the same for every implementation). JAX: `block_until_ready` on
+  the last output, wall clock. torch-only implementations: CUDA events around the loop.
+  The bridge (work on torch's and JAX's streams): wall clock around the loop +
+  `torch.cuda.synchronize()`. N is chosen from a warm-up call so one repetition lasts
+  ~target ms.
 * Forward = inference forward (torch under `no_grad`, JAX: the jitted function alone), as
   when computing old / reference log-probs. Forward+backward = outputs and the gradient
   w.r.t. the logits for random cotangents of log-prob and entropy (JAX: `jax.vjp` inside

@@ -1,6 +1,6 @@
 """What the PyTorch bridge costs on top of calling the JAX op directly.
 
-    python benchmarks/bridge_overhead.py [--out DIR] [--device cuda|cpu] [--quick]
+    python -m benchmarks.bridge_overhead [--out DIR] [--device cuda|cpu] [--quick]
 
 Prints microseconds per forward+backward call (median of repeats, many back-to-back calls
 each, one device sync per repeat), for:
@@ -28,24 +28,24 @@ the bridge's overhead hides behind the kernels.
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run by path: see benchmarks/__init__.py
+    import os, sys  # noqa: E401
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import argparse
 import json
 import os
 import platform
-import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bridge  # first: JAX must start without preallocating
+import torch
+import jax
+import jax.numpy as jnp
 
-import bridge  # noqa: E402  (first: JAX must start without preallocating)
-import torch  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-
-import jaxops  # noqa: E402
-from bridge import _dlpack, _jaxfns, op  # noqa: E402
+import jaxops
+from benchmarks import harness
+from bridge import _dlpack, _jaxfns, op
 
 
 def sync(device):
@@ -54,21 +54,14 @@ def sync(device):
 
 
 def timeit(fn, device, calls, repeats=7, warmup=3):
-    """Median wall time per call in microseconds; `fn` returns something to block on."""
-    out = None
-    for _ in range(warmup):
-        out = fn()
-    jax.block_until_ready([o for o in jax.tree.leaves(out) if isinstance(o, jax.Array)])
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            out = fn()
+    """Median wall time per call in microseconds (harness.time_calls); `fn` returns
+    something to block on: its JAX arrays, then the torch device."""
+    def done(out):
         jax.block_until_ready([o for o in jax.tree.leaves(out) if isinstance(o, jax.Array)])
         sync(device)
-        times.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(times)
+
+    return harness.time_calls(fn, reps=repeats, calls=calls, warmup=warmup,
+                              sync=done).seconds * 1e6
 
 
 def breakdown(device, calls):
@@ -401,9 +394,7 @@ def main():
     results["memory"] = memory(device)
     print("memory:", json.dumps(results["memory"]), flush=True)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, "bridge_overhead.json"), "w") as fh:
-            json.dump(results, fh, indent=1)
+        harness.write_json(os.path.join(args.out, "bridge_overhead.json"), results)
 
 
 if __name__ == "__main__":

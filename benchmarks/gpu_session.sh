@@ -25,11 +25,11 @@ results=benchmarks/results/h200.json
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
 step core_tests ${CORE_S:-110} python3 -m pytest -q -p no:cacheprovider tests/test_logprob_entropy.py ${CORE_K:+-k "$CORE_K"}
 step gpu_tests ${GPU_S:-75} python3 -m pytest -q -p no:cacheprovider tests/test_sharding_gpu.py tests/test_bridge_cuda.py
-step bench_mask ${MASK_S:-100} python3 benchmarks/bench.py --device-name h200 --quick --append \
+step bench_mask ${MASK_S:-100} python3 -m benchmarks.bench --device-name h200 --quick --append \
     --filter T=8192 --filter V=151936 --filter mask=True \
     --filter impl=jaxops-pallas,jaxops-xla,bridge,jax-jit,torch-eager --out $results
-step bridge_overhead ${OVERHEAD_S:-40} python3 benchmarks/bridge_overhead.py --quick --no-compile --out "$OUT"
-step bench_sweep ${SWEEP_S:-60} python3 benchmarks/bench.py --device-name h200 --quick --append \
+step bridge_overhead ${OVERHEAD_S:-40} python3 -m benchmarks.bridge_overhead --quick --no-compile --out "$OUT"
+step bench_sweep ${SWEEP_S:-60} python3 -m benchmarks.bench --device-name h200 --quick --append \
     --filter T=1024,32768 --filter impl=jaxops-pallas,jaxops-xla --out $results
 cp $results "$OUT/h200.json"
 grep -hE "passed|failed" "$OUT"/core_tests.log "$OUT"/gpu_tests.log | tail -n 4

@@ -1,13 +1,15 @@
 """Quick GPU check: Pallas kernels vs the float64 reference, and first timings.
 
-    python benchmarks/gpu_smoke.py [--out DIR]
+    python -m benchmarks.gpu_smoke [--out DIR] [--configs "block_v,num_warps,num_stages;..."]
 """
-import argparse, json, os, sys, time, traceback
+if __name__ == "__main__" and not __package__:  # run by path: see benchmarks/__init__.py
+    import os, sys  # noqa: E401
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import argparse, os, traceback  # noqa: E401
 import numpy as np
-import jax, jax.numpy as jnp
-jax.config.update("jax_enable_x64", True)
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import jax, jax.numpy as jnp  # noqa: E401
 import jaxops
+from benchmarks import harness
 
 def check(T, V, dtype, masked, tau, with_entropy=True, entropy_grad=True, impl="pallas", config=None):
     rng = np.random.default_rng(T * 7 + V)
@@ -29,19 +31,13 @@ def check(T, V, dtype, masked, tau, with_entropy=True, entropy_grad=True, impl="
     return e_lp, e_h, e_g, g.dtype
 
 def bench(fn, args_list, iters=20):
-    out = fn(*args_list[0]); jax.block_until_ready(out)
-    ts = []
-    for r in range(5):
-        t0 = time.perf_counter()
-        for i in range(iters):
-            out = fn(*args_list[i % len(args_list)])
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / iters)
-    return float(np.median(ts)) * 1e3
+    """Median ms per call of 5 loops of `iters` calls rotating over `args_list`."""
+    return harness.time_calls(fn, args_list, reps=5, calls=iters, sync=jax.block_until_ready).seconds * 1e3
 
 def main():
     ap = argparse.ArgumentParser(); ap.add_argument("--out", default=None); ap.add_argument("--configs", default="")
     a = ap.parse_args()
+    jax.config.update("jax_enable_x64", True)  # the float64 reference of check()
     print(jax.devices(), jax.__version__, flush=True)
     results = {"checks": [], "timings": []}
     for (T, V, dt, masked, tau) in [(64, 1000, jnp.float32, False, 1.0), (64, 1000, jnp.bfloat16, True, 0.7),
@@ -67,19 +63,20 @@ def main():
     for dt in [jnp.bfloat16, jnp.float32]:
         xs = [jax.random.normal(jax.random.key(i), (T, V), dt) * 3 for i in range(2)]
         y = jnp.asarray(rng.integers(0, V, T), jnp.int32)
-        nbytes = T * V * jnp.dtype(dt).itemsize
-        roof_f = nbytes / (bw * 1e12) * 1e3
+        nbytes, fb_bytes = harness.roofline_bytes(dt.__name__, T, V, False)
+        roof_f, roof_fb = harness.roofline_ms(nbytes, bw * 1e12), harness.roofline_ms(fb_bytes, bw * 1e12)
         for impl, cfg in [("xla", None)] + [("pallas", c) for c in cfgs]:
             for ent in [True, False]:
                 try:
                     fwd = jax.jit(lambda x: jaxops.logprob_entropy(x, y, implementation=impl, with_entropy=ent, pallas_config=cfg))
                     fb = jax.jit(jax.grad(lambda x: sum(jnp.sum(o) for o in jaxops.logprob_entropy(x, y, implementation=impl, with_entropy=ent, pallas_config=cfg) if o is not None)))
                     tf = bench(fwd, [(x,) for x in xs]); tb = bench(fb, [(x,) for x in xs])
-                    print(f"{dt.__name__:9s} {impl:6s} {str(cfg):60s} ent={ent:d} fwd {tf:.3f} ms ({tf/roof_f:.2f}x roof) fwd+bwd {tb:.3f} ms ({tb/(3*roof_f):.2f}x roof)", flush=True)
+                    print(f"{dt.__name__:9s} {impl:6s} {str(cfg):60s} ent={ent:d} fwd {tf:.3f} ms ({tf/roof_f:.2f}x roof) fwd+bwd {tb:.3f} ms ({tb/roof_fb:.2f}x roof)", flush=True)
                     results["timings"].append(dict(dtype=dt.__name__, impl=impl, cfg=str(cfg), ent=ent, fwd=tf, fb=tb, roof_f=roof_f))
                 except Exception:
                     traceback.print_exc(); print("FAILED timing", dt.__name__, impl, cfg, flush=True)
     if a.out:
-        json.dump(results, open(os.path.join(a.out, "smoke.json"), "w"), indent=1)
+        harness.write_json(os.path.join(a.out, "smoke.json"), results)
 
-main()
+if __name__ == "__main__":
+    main()

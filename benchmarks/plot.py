@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Plot a benchmark results JSON: time vs T per implementation, with the roofline.
 
-    python benchmarks/plot.py benchmarks/results/h200.json [--out benchmarks/results/h200.png]
+    python -m benchmarks.plot benchmarks/results/h200.json [--out benchmarks/results/h200.png]
 
 One panel per (phase, dtype, entropy, mask) combination measured at two or more T (at the
 headline V): forward in the top row, forward+backward in the middle row (log-log axes; the
@@ -12,12 +12,16 @@ Cases that ran out of memory are marked with an x at the top of a panel.
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run by path: see benchmarks/__init__.py
+    import os, sys  # noqa: E401
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import report  # noqa: E402
+from benchmarks import report
+from benchmarks.harness import roofline_bytes, roofline_ms
 
 STYLE = {  # colour, marker
     "jaxops-pallas": ("tab:red", "o"), "jaxops-xla": ("tab:orange", "s"),
@@ -62,7 +66,7 @@ def plot(results, out_path):
         for row_i, (phase, title) in enumerate((("fwd", "forward"), ("fb", "forward+backward"))):
             ax = axes[row_i][col]
             if bw and Ts:
-                roof = [report_bytes(dtype, T, V, mask)[row_i] / bw * 1e3 for T in Ts]
+                roof = [roofline_ms(roofline_bytes(dtype, T, V, mask)[row_i], bw) for T in Ts]
                 (h,) = ax.plot(Ts, roof, "k--", lw=1.5, label="roofline", zorder=5)
                 handles["roofline"] = h
             oom_T = {}
@@ -133,12 +137,6 @@ def plot(results, out_path):
     fig.savefig(out_path, dpi=110)
     plt.close(fig)
     return out_path
-
-
-def report_bytes(dtype, T, V, mask):
-    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
-    logits, mask_bytes = T * V * itemsize, (T * V if mask else 0)
-    return logits + mask_bytes, 3 * logits + 2 * mask_bytes
 
 
 def main(argv=None):

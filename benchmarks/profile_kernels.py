@@ -2,7 +2,7 @@
 
     ncu --clock-control none --kernel-name regex:logprob_entropy --section LaunchStats \
         --section Occupancy --section SpeedOfLight --section WarpStateStats \
-        python benchmarks/profile_kernels.py --variants "dtype=bf16,case=ent;dtype=bf16,case=ent,prefetch=1"
+        python -m benchmarks.profile_kernels --variants "dtype=bf16,case=ent;dtype=bf16,case=ent,prefetch=1"
 
 Each variant is `dtype=bf16|fp32`, `case=ent|noent|mask|mask-noent`, `phase=fwd|fwd_bwd`
 (default fwd) and any `PallasConfig` field (block_v=1024, num_warps=8, prefetch=1, ...),
@@ -10,14 +10,17 @@ at T = 8192, V = 151,936 unless `T=` / `V=` say otherwise. Every variant runs on
 after its compile, in the order given, so the profiler's kernel list follows that order
 (printed here with a `[profile]` prefix). No timing: use tune.py / bench.py for that.
 """
-import argparse, os, sys
+if __name__ == "__main__" and not __package__:  # run by path: see benchmarks/__init__.py
+    import os, sys  # noqa: E401
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import jaxops  # noqa: E402
-from tune import pallas_config  # noqa: E402  (benchmarks/ is on sys.path as the script's folder)
+import jaxops
+from benchmarks.harness import pallas_config
 
 DTYPES = {"bf16": jnp.bfloat16, "fp32": jnp.float32}
 _CASE_KEYS = ("dtype", "case", "phase", "T", "V")

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Tables from a benchmark results JSON (written by bench.py): text, and the README's markdown.
 
-    python benchmarks/report.py benchmarks/results/h200.json                   # print markdown
-    python benchmarks/report.py benchmarks/results/h200.json --update-readme   # write README.md
+    python -m benchmarks.report benchmarks/results/h200.json                   # print markdown
+    python -m benchmarks.report benchmarks/results/h200.json --update-readme   # write README.md
 
 `--update-readme` replaces what lies between `<!-- perf-table:start -->` and
 `<!-- perf-table:end -->` in README.md; every number there comes from the JSON.
@@ -10,13 +10,17 @@
 
 from __future__ import annotations
 
+if __name__ == "__main__" and not __package__:  # run by path: see benchmarks/__init__.py
+    import os, sys  # noqa: E401
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import argparse
 import json
 import os
 import sys
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+from benchmarks.harness import REPO
+
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 OURS = "jaxops-pallas"
 ANCHOR_ORDER = ("jaxops-xla", "bridge", "jax-jit", "torch-compile", "torch-eager", "megatron")

@@ -1,36 +1,25 @@
 """Kernel tuning sweep on one GPU: Pallas config variants at T = 8192, V = 151,936.
 
-    python benchmarks/tune.py --configs "block_v=2048,num_warps=4;block_v=1024,approx_exp2=0" [--out DIR]
+    python -m benchmarks.tune --configs "block_v=2048,num_warps=4;block_v=1024,approx_exp2=0" [--out DIR]
 
 Each config is checked against the float64 reference on a small case first
 (a variant that is fast but wrong is reported as such), then timed: forward and
 forward+backward, fp32 and bf16, entropy on/off, with a dense keep mask.
-Times are medians of 5 rounds of 20 back-to-back jitted calls over 2 input sets.
+Times are medians of 5 rounds of 20 back-to-back jitted calls over 2 input sets
+(harness.time_calls); the roofline is harness.roofline_bytes / the copy bandwidth.
 """
-import argparse, dataclasses, json, os, sys, time, traceback
+if __name__ == "__main__" and not __package__:  # run by path: see benchmarks/__init__.py
+    import os, sys  # noqa: E401
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import argparse, os, traceback  # noqa: E401
 
 import numpy as np
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import jaxops  # noqa: E402
-
-
-# PallasConfig's on/off fields take 0/1 on the command line, the others integers.
-_FLAG_FIELDS = {f.name for f in dataclasses.fields(jaxops.PallasConfig) if "bool" in str(f.type)}
-
-
-def pallas_config(pairs):
-    """{"block_v": "1024", "prefetch": "1"} -> PallasConfig(block_v=1024, prefetch=True)."""
-    return jaxops.PallasConfig(**{k: bool(int(v)) if k in _FLAG_FIELDS else int(v)
-                                  for k, v in pairs.items()})
-
-
-def parse_configs(text):
-    """"block_v=2048,num_warps=4;prefetch=1" -> [PallasConfig, ...]."""
-    return [pallas_config(dict(kv.split("=") for kv in filter(None, item.split(","))))
-            for item in filter(None, text.split(";"))]
+import jaxops
+from benchmarks import harness
 
 
 def max_errors(cfg, num_tokens=33, num_vocab=151936 // 8 + 5, dtype=jnp.bfloat16):
@@ -92,15 +81,9 @@ def check(cfg):
 
 
 def timed(fn, inputs, iters=20, rounds=5):
-    jax.block_until_ready(fn(*inputs[0]))
-    times = []
-    for _ in range(rounds):
-        start = time.perf_counter()
-        for i in range(iters):
-            out = fn(*inputs[i % len(inputs)])
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / iters)
-    return float(np.median(times)) * 1e3
+    """Median ms per call of `rounds` loops of `iters` calls rotating over `inputs`."""
+    return harness.time_calls(fn, inputs, reps=rounds, calls=iters,
+                              sync=jax.block_until_ready).seconds * 1e3
 
 
 def main():
@@ -116,7 +99,7 @@ def main():
     args = parser.parse_args()
     jax.config.update("jax_enable_x64", True)  # the float64 reference of check()
     configs = [] if args.no_default else [jaxops.PallasConfig()]
-    configs += parse_configs(args.configs)
+    configs += harness.parse_pallas_configs(args.configs)
     print(jax.devices()[0].device_kind, jax.__version__, flush=True)
     rows = []
     big = jax.random.normal(jax.random.key(9), (8192, 151936), jnp.float32)
@@ -137,8 +120,7 @@ def main():
             xs = [jax.random.normal(jax.random.key(i), (T, V), dtype) * 3 for i in range(2)]
             for case in args.cases.split(","):
                 ent, m = "noent" not in case, (mask if "mask" in case else None)
-                fwd_bytes = T * V * (dtype.itemsize + (1 if m is not None else 0))
-                bwd_bytes = T * V * (2 * dtype.itemsize + (1 if m is not None else 0))
+                fwd_bytes, fb_bytes = harness.roofline_bytes(dtype_name, T, V, m is not None)
                 op = lambda x: jaxops.logprob_entropy(x, y, keep_mask=m, with_entropy=ent,
                                                      implementation="pallas", pallas_config=cfg)
                 fwd = jax.jit(op)
@@ -149,8 +131,8 @@ def main():
                     traceback.print_exc()
                     print("FAILED", cfg, dtype_name, case, flush=True)
                     continue
-                roof_f = fwd_bytes / bandwidth * 1e3
-                roof_b = (fwd_bytes + bwd_bytes) / bandwidth * 1e3
+                roof_f = harness.roofline_ms(fwd_bytes, bandwidth)
+                roof_b = harness.roofline_ms(fb_bytes, bandwidth)
                 row = dict(config=str(cfg), dtype=dtype_name, case=case, fwd_ms=tf, fwd_bwd_ms=tb,
                            fwd_roofline_ms=roof_f, fwd_bwd_roofline_ms=roof_b)
                 rows.append(row)
@@ -158,8 +140,8 @@ def main():
                       f"fwd+bwd {tb:.3f} ms ({tb / roof_b:.2f}x)  {cfg}", flush=True)
             del xs
         if args.out:
-            with open(os.path.join(args.out, "tune.json"), "w") as f:
-                json.dump(dict(bandwidth=bandwidth, rows=rows), f, indent=1)
+            harness.write_json(os.path.join(args.out, "tune.json"),
+                               dict(bandwidth=bandwidth, rows=rows))
 
 
 if __name__ == "__main__":

@@ -17,26 +17,23 @@ import sys
 
 import pytest
 
+from benchmarks import bench, cases, harness, report  # stdlib-only at import time
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(REPO, "benchmarks")
+ENTRY_SCRIPTS = ("bench", "report", "plot", "tune", "profile_kernels", "gpu_smoke",
+                 "bridge_overhead")
 
 
-def _load(name):
-    spec = importlib.util.spec_from_file_location(f"_bench_{name}", os.path.join(BENCH_DIR, f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load("bench")  # stdlib-only at import time
-
-
-def _run(*args, timeout=900):
+def _run(*args, timeout=900, cwd=REPO, pythonpath=True):
+    """`python *args` (a script's path, or -m benchmarks.NAME); its stdout."""
     env = dict(os.environ)
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    if pythonpath:
+        env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    else:
+        env.pop("PYTHONPATH", None)
     env.pop("XLA_FLAGS", None)  # no fake multi-device CPU here
-    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
     assert proc.returncode == 0, f"{args} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     return proc.stdout
@@ -51,9 +48,11 @@ def _module_available(name):
 
 @pytest.fixture(scope="module")
 def tiny_results(tmp_path_factory):
+    if not _module_available("torch"):
+        pytest.skip("bench.py compares against PyTorch, which is not installed")
     out = tmp_path_factory.mktemp("bench") / "cpu.json"
-    stdout = _run(os.path.join("benchmarks", "bench.py"), "--tiny", "--budget-s", "0",
-                  "--device-name", "cpu-test", "--out", str(out))
+    stdout = _run("-m", "benchmarks.bench", "--tiny", "--device-name", "cpu-test",
+                  "--out", str(out))
     assert "speed-up of jaxops-pallas" in stdout
     with open(out) as f:
         return out, json.load(f)
@@ -61,26 +60,96 @@ def tiny_results(tmp_path_factory):
 
 def test_roofline_bytes():
     n = 8192 * 151_936
-    assert bench.roofline_bytes("float32", 8192, 151_936, False) == (4 * n, 12 * n)
-    assert bench.roofline_bytes("bfloat16", 8192, 151_936, True) == (2 * n + n, 6 * n + 2 * n)
+    assert harness.roofline_bytes("float32", 8192, 151_936, False) == (4 * n, 12 * n)
+    assert harness.roofline_bytes("bfloat16", 8192, 151_936, True) == (2 * n + n, 6 * n + 2 * n)
+    assert harness.roofline_bytes("float16", 8, 10, False) == (160, 480)
+    # NOTES.md's table (T = 8192, V = 151,936): bf16 with a dense bool mask
+    fwd, fb = harness.roofline_bytes("bfloat16", 8192, 151_936, True)
+    assert (round(fwd / 1e9, 3), round(fb / 1e9, 3)) == (3.734, 9.957)
+
+
+def test_time_calls_rotates_warms_up_and_takes_the_median():
+    calls, synced = [], []
+
+    def fn(i):
+        calls.append(i)
+        return i
+
+    timing = harness.time_calls(fn, [(0,), (1,), (2,)], reps=3, sync=synced.append,
+                                calls=lambda est: harness.choose_calls(est, 3, 1.0, 7))
+    assert timing.calls == 6  # max_calls 7, rounded down to a multiple of the 3 sets
+    assert calls[0] == 1  # warm-up on the set the timed loop does not start on
+    assert calls[1:] == [0, 1, 2] * 6  # every repetition starts on set 0 and rotates
+    assert synced == [1, 2, 2, 2]  # after the warm-up and after each repetition
+    assert len(timing.times) == 3 and list(timing.times) == sorted(timing.times)
+    assert timing.seconds == timing.times[1]
+    assert harness.time_calls(lambda: None, reps=4, calls=2, sync=id, warmup=0).seconds >= 0
+
+
+def test_budget_seconds():
+    assert harness.budget_seconds("0") == 0.0
+    assert harness.budget_seconds("450") == 450.0
+    assert math.isinf(harness.budget_seconds("none"))
+    for bad in ("-1", "nan", "soon"):
+        with pytest.raises(Exception, match="seconds >= 0"):
+            harness.budget_seconds(bad)
+    parser = bench.build_parser()
+    assert parser.parse_args(["--budget-s", "0"]).budget_s == 0.0
+    with pytest.raises(SystemExit):  # argparse: a clear error, not "no budget"
+        parser.parse_args(["--budget-s", "-5"])
 
 
 def test_filters_select_cases():
-    filters = bench.parse_filters(["impl=jaxops-*,megatron", "dtype=bf16", "T=8192"])
-    cases = bench.build_cases("quick", filters)
-    assert cases and all(c.impl in ("jaxops-pallas", "jaxops-xla", "megatron") for c in cases)
-    assert all(c.dtype == "bfloat16" and c.T == 8192 for c in cases)
-    assert {c.V for c in cases} == {151_936, 151_936 // 8}
-    cases = bench.build_cases("full", bench.parse_filters(["entropy=no;mask=yes"]))
-    assert cases and all(not c.entropy and c.mask for c in cases)
+    filters = cases.parse_filters(["impl=jaxops-*,megatron", "dtype=bf16", "T=8192"])
+    selected = cases.build_cases("quick", filters)
+    assert selected and all(c.impl in ("jaxops-pallas", "jaxops-xla", "megatron")
+                            for c in selected)
+    assert all(c.dtype == "bfloat16" and c.T == 8192 for c in selected)
+    assert {c.V for c in selected} == {151_936, 151_936 // 8}
+    selected = cases.build_cases("full", cases.parse_filters(["entropy=no;mask=yes"]))
+    assert selected and all(not c.entropy and c.mask for c in selected)
     # Torch at the large size runs first of all (JAX's pool never shrinks), then the
     # headline size.
-    full = bench.build_cases("full", {})
-    big_torch = [c for c in full if c.T == 32768 and c.impl in bench.TORCH_IMPLS]
+    full = cases.build_cases("full", {})
+    big_torch = [c for c in full if c.T == 32768 and c.impl in cases.TORCH_IMPLS]
     assert full[:len(big_torch)] == big_torch
     assert (full[len(big_torch)].T, full[len(big_torch)].V) == (8192, 151_936)
     with pytest.raises(SystemExit):
-        bench.parse_filters(["colour=red"])
+        cases.parse_filters(["colour=red"])
+
+
+@pytest.mark.slow
+def test_entry_scripts_run_by_path_and_as_modules(tmp_path):
+    """`python benchmarks/X.py` from anywhere, without PYTHONPATH, and `python -m
+    benchmarks.X` from the repository root."""
+    for name in ENTRY_SCRIPTS:
+        out = _run(os.path.join(BENCH_DIR, f"{name}.py"), "--help", cwd=tmp_path,
+                   pythonpath=False)
+        assert "usage:" in out, name
+    assert _run("-m", "benchmarks.bench", "--dry-run", "--tiny").endswith("31 cases (tiny)\n")
+    assert _run(os.path.join(BENCH_DIR, "bench.py"), "--dry-run", "--tiny", cwd=tmp_path,
+                pythonpath=False).endswith("31 cases (tiny)\n")
+
+
+def test_readme_table_is_the_committed_json():
+    """report.py renders the committed H200 JSON to exactly the README's table."""
+    json_path = os.path.join(BENCH_DIR, "results", "h200.json")
+    md = report.markdown(report.load(json_path), json_path,
+                         os.path.join(BENCH_DIR, "results", "h200.png"))
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    assert report.START + "\n" + md + report.END in readme
+
+
+def test_a_broken_bridge_is_an_error_not_a_skip(monkeypatch):
+    """bench.py imports PyTorch, so a bridge that fails to import is broken: its cases
+    raise (the row says "error: ..."), they are not skipped."""
+    from benchmarks import impls
+    monkeypatch.setitem(sys.modules, "bridge", None)  # `import bridge` now raises
+    implementations = impls.Implementations(None, None, tau=1.0, on_gpu=False)
+    case = cases.Case("bridge", "float32", 4, 8, True, False)
+    with pytest.raises(RuntimeError, match="bridge not importable"):
+        implementations.torch_forward_fn(case)
 
 
 @pytest.mark.slow
@@ -93,13 +162,15 @@ def test_tiny_run_has_every_row(tiny_results):
     bw = results["bandwidth"]
     assert bw["used_Bps"] > 0 and bw["used"] in ("torch_copy_Bps", "torch_scale_Bps",
                                                   "jax_scale_Bps")
-    expected = {c.key for c in bench.build_cases("tiny", {})}
+    expected = {c.key for c in cases.build_cases("tiny", {})}
     rows = {(r["impl"], r["dtype"], r["T"], r["V"], r["entropy"], r["mask"]): r
             for r in results["rows"]}
     assert set(rows) == expected
-    assert {r["impl"] for r in results["rows"]} == set(bench.IMPLS)
+    assert {r["impl"] for r in results["rows"]} == set(cases.IMPLS)
 
-    must_run = {"jaxops-pallas", "jaxops-xla", "jax-jit", "torch-eager"}
+    # The bridge must run: PyTorch is installed (the fixture skips otherwise), so a bridge
+    # that fails to import is broken, and its row says "error: ...", which fails here.
+    must_run = {"jaxops-pallas", "jaxops-xla", "jax-jit", "torch-eager", "bridge"}
     if _module_available("megatron.core"):
         must_run.add("megatron")
     for key, row in rows.items():
@@ -111,12 +182,10 @@ def test_tiny_run_has_every_row(tiny_results):
         if impl == "torch-compile":
             assert status.startswith("skipped: torch.compile"), (key, status)
             continue
-        if impl == "bridge" and status.startswith("skipped: bridge not importable"):
-            continue  # the bridge is optional for the harness
         if impl == "megatron" and impl not in must_run:
             assert status.startswith("skipped: megatron-core not usable"), (key, status)
             continue
-        assert impl in must_run or impl == "bridge", (key, status)
+        assert impl in must_run, (key, status)
         assert status == "ok", (key, status, row.get("fwd_status"), row.get("fb_status"))
         for phase in ("fwd", "fb"):
             for field in ("ms", "roof_ms", "x_roof"):
@@ -137,18 +206,18 @@ def test_tiny_run_has_every_row(tiny_results):
 def test_plot_and_report(tiny_results, tmp_path):
     json_path, results = tiny_results
     png = tmp_path / "cpu.png"
-    _run(os.path.join("benchmarks", "plot.py"), str(json_path), "--out", str(png))
+    _run(os.path.join("benchmarks", "plot.py"), str(json_path), "--out", str(png))  # by path
     assert png.exists() and png.stat().st_size > 10_000
     with open(png, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
-    text = _run(os.path.join("benchmarks", "report.py"), str(json_path), "--text")
+    text = _run("-m", "benchmarks.report", str(json_path), "--text")
     assert "jaxops-pallas" in text and "speed-up" in text
 
     readme = tmp_path / "README.md"
     readme.write_text("# title\n\nbefore\n\n<!-- perf-table:start -->\nold table\n"
                       "<!-- perf-table:end -->\n\nafter\n")
-    _run(os.path.join("benchmarks", "report.py"), str(json_path), "--png", str(png),
+    _run("-m", "benchmarks.report", str(json_path), "--png", str(png),
          "--update-readme", "--readme", str(readme))
     updated = readme.read_text()
     assert "old table" not in updated
@@ -158,7 +227,6 @@ def test_plot_and_report(tiny_results, tmp_path):
     assert "| dtype | entropy | mask | roofline ms |" in section
     assert f"T = {results['rows'][0]['T']:,}" in section
     # Traceable: the headline numbers are the JSON's, formatted.
-    report = _load("report")
     pallas = next(r for r in results["rows"] if r["impl"] == "jaxops-pallas" and r["status"] == "ok")
     assert report.ms(pallas["fb_ms"]) in section and report.ms(pallas["fwd_ms"]) in section
     assert "cpu.png" in section
@@ -167,12 +235,13 @@ def test_plot_and_report(tiny_results, tmp_path):
 @pytest.mark.slow
 def test_append_keeps_measured_rows_over_skipped_ones(tiny_results, tmp_path):
     """--append replaces re-measured rows, but a case the new run skips (here: a spent time
-    budget) keeps its earlier measurement, with a note naming both runs."""
+    budget; --budget-s 0 starts no case) keeps its earlier measurement, with a note naming
+    both runs."""
     json_path, results = tiny_results
     out = tmp_path / "appended.json"
     out.write_text(json_path.read_text())
     stdout = _run(os.path.join("benchmarks", "bench.py"), "--tiny", "--append",
-                  "--filter", "impl=jaxops-xla", "--budget-s", "0.001",
+                  "--filter", "impl=jaxops-xla", "--budget-s", "0",
                   "--device-name", "cpu-test", "--out", str(out))
     assert "kept from run 0" in stdout
     appended = json.loads(out.read_text())
@@ -194,7 +263,6 @@ def test_append_keeps_measured_rows_over_skipped_ones(tiny_results, tmp_path):
 def test_report_describes_the_run_the_rows_come_from():
     """After --append has measured every row again, the README header and the plot's
     title name that run (its commit, date, bandwidth), not the file's first run."""
-    report = _load("report")
     first = {"date": "d0", "git": {"commit": "aaaaaaa"}, "bandwidth": {"used_Bps": 1e12}}
     later = {"date": "d1", "git": {"commit": "bbbbbbb"}, "bandwidth": {"used_Bps": 2e12}}
     rows = [{"run": 1}, {"run": 1}]

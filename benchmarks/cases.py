@@ -1,0 +1,125 @@
+"""What bench.py measures: the implementations, the sizes per mode, the cases in run order,
+and `--filter`. Standard library only (`--dry-run` needs no GPU and no JAX)."""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+
+from benchmarks.harness import BOOL
+
+IMPLS = ("jaxops-pallas", "jaxops-xla", "bridge", "jax-jit", "torch-compile", "torch-eager",
+         "megatron")
+JAX_IMPLS = ("jaxops-pallas", "jaxops-xla", "jax-jit")  # the others run from PyTorch
+TORCH_IMPLS = ("megatron", "torch-eager", "torch-compile")  # big sizes: run first (build_cases)
+DTYPES = ("float32", "bfloat16")
+V_FULL, V_SHARD = 151_936, 151_936 // 8
+MAIN_T, MAIN_V = 8192, V_FULL
+MASK_THRESHOLD = 13  # keep mask = random byte < 13: ~5% kept (the target always counts)
+MASK_DENSITY = MASK_THRESHOLD / 256
+LOGIT_SCALE = 3.0  # logits ~ N(0, 3^2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    impl: str
+    dtype: str
+    T: int
+    V: int
+    entropy: bool
+    mask: bool
+
+    @property
+    def key(self):
+        return (self.impl, self.dtype, self.T, self.V, self.entropy, self.mask)
+
+
+def all_combos():
+    return [(d, e, m) for d in DTYPES for e in (False, True) for m in (False, True)]
+
+
+def size_groups(mode):
+    """[(T, V, combos)] in priority order: the most important first."""
+    if mode == "tiny":
+        # Every implementation and code path once (both dtypes, entropy, mask), two sizes
+        # for the plot, one vocabulary shard; Pallas runs in interpret mode (slow compiles).
+        both = [("float32", False, False), ("bfloat16", True, True)]
+        return [(32, 1000, both), (64, 1000, both), (32, 1000 // 8, [("float32", True, False)])]
+    if mode == "quick":
+        # One device call (< 9 min incl. compiles): everything at the headline size, then
+        # two combos per other size (Megatron's and the entropy path), largest first.
+        two = [("float32", False, False), ("bfloat16", True, False)]
+        return [(MAIN_T, MAIN_V, all_combos()),
+                (32768, V_FULL, two),
+                (1024, V_FULL, two),
+                (MAIN_T, V_SHARD, two)]
+    return [(MAIN_T, MAIN_V, all_combos()),
+            (MAIN_T, V_SHARD, all_combos()),
+            (1024, V_FULL, all_combos()),
+            (32768, V_FULL, all_combos())]
+
+
+# ---------------------------------------------------------------------------- filters
+
+_DTYPE_ALIASES = {"fp32": "float32", "f32": "float32", "float32": "float32",
+                  "bf16": "bfloat16", "bfloat16": "bfloat16"}
+
+
+def parse_filters(specs):
+    """['impl=jaxops-*,megatron', 'dtype=bf16', 'T=8192'] -> {key: [values]}."""
+    filters = {}
+    for spec in specs or []:
+        for part in spec.split(";"):
+            part = part.strip()
+            if not part:
+                continue
+            if "=" not in part:
+                raise SystemExit(f"--filter: expected key=value[,value...], got {part!r}")
+            key, values = part.split("=", 1)
+            key = key.strip()
+            if key not in ("impl", "dtype", "T", "V", "entropy", "mask"):
+                raise SystemExit(f"--filter: unknown key {key!r} "
+                                 "(impl, dtype, T, V, entropy, mask)")
+            vals = [v.strip() for v in values.split(",") if v.strip()]
+            if key == "dtype":
+                vals = [_DTYPE_ALIASES.get(v.lower(), v) for v in vals]
+            elif key in ("T", "V"):
+                vals = [int(v) for v in vals]
+            elif key in ("entropy", "mask"):
+                vals = [BOOL[v.lower()] for v in vals]
+            filters.setdefault(key, []).extend(vals)
+    return filters
+
+
+def case_selected(case, filters):
+    for key, vals in filters.items():
+        value = getattr(case, key)
+        if key == "impl":
+            if not any(fnmatch.fnmatch(value, pattern) for pattern in vals):
+                return False
+        elif value not in vals:
+            return False
+    return True
+
+
+def is_big(T, V):
+    return T * V * 4 > 8 * 2**30  # fp32 logits over 8 GiB
+
+
+def build_cases(mode, filters):
+    """Cases in run order: size groups by priority, except that the torch-only cases of the
+    big sizes come first of all, while JAX's memory pool is still small (runner.py's doc):
+    they need tens of GB of temporaries, and JAX's pool never shrinks. Their torch.compile
+    graphs (T dynamic) are the ones the later sizes reuse, so this costs no extra compiles."""
+    cases = []
+    for T, V, combos in size_groups(mode):
+        for impl in IMPLS:
+            for dtype, entropy, mask in combos:
+                case = Case(impl, dtype, T, V, entropy, mask)
+                if (mode == "tiny" and impl == "jaxops-pallas" and "impl" not in filters
+                        and ((dtype, entropy, mask) != ("float32", False, False) or cases)):
+                    continue  # interpret mode is slow (CPU): once; the op's tests cover it
+                if case_selected(case, filters):
+                    cases.append(case)
+    front = [c for c in cases if c.impl in TORCH_IMPLS and is_big(c.T, c.V)]
+    return front + [c for c in cases if c not in front]

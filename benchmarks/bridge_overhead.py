@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 import jaxops
 from benchmarks import harness
-from bridge import _dlpack, _jaxfns, op
+from bridge import _dlpack, _jaxfns, _run, op
 
 
 def sync(device):
@@ -95,20 +95,20 @@ def breakdown(device, calls):
     res["jit_on_fresh_import(begin+import+dispatch)"] = timeit(
         lambda: g(dev.begin().to_jax(x)), device, calls)
     res["targets_range_check(sync)"] = timeit(
-        lambda: op.check_targets_in_range(y64, 1024), device, calls)
+        lambda: bridge.check_targets(y64, 1024), device, calls)
     return res
 
 
 def staged_fns(impl, dev, *, with_entropy, target_mode):
     """The bridge's own jitted (forward, backward) pair for one unmasked shard, temperature 1."""
-    backend, config = op._backend(impl, dev)
+    backend, config = _run.implementation_for(impl, dev)
     fwd = _jaxfns.local_forward(shard_index=0, world=1, inv_tau=1.0, with_entropy=with_entropy,
                                 masked=False, backend=backend, config=config,
                                 target_mode=target_mode)
     bwd = _jaxfns.local_backward(shard_index=0, inv_tau=1.0, with_entropy=with_entropy,
                                  entropy_grad=True, masked=False, has_d_log_prob=True,
                                  has_d_entropy=with_entropy, backend=backend, config=config,
-                                 target_mode=target_mode)
+                                 target_mode=target_mode, write_through=False)
     return fwd, bwd
 
 
@@ -133,7 +133,7 @@ def ladder(device, impl, calls, num_tokens=16, num_vocab=1024):
     x = torch.randn(num_tokens, num_vocab, device=device)
     y = torch.randint(0, num_vocab, (num_tokens,), device=device)
     y32 = y.view(torch.int32)  # int64 ids as int32 pairs, as the bridge passes them
-    d = torch.randn(2, num_tokens, device=device)
+    d = torch.randn(num_tokens, 2, device=device)  # token-major, as the bridge passes them
     fwd, bwd = staged_fns(impl, dev, with_entropy=True, target_mode="i64")
     xfer = dev.begin()
     jx, jy, jd = xfer.to_jax(x), xfer.to_jax(y32), xfer.to_jax(d)
@@ -141,14 +141,14 @@ def ladder(device, impl, calls, num_tokens=16, num_vocab=1024):
     kept = []
 
     def on(a, b, dd):
-        _, _, st = fwd(a, b, None)
+        _, st = fwd(a, b, None)
         return bwd(a, b, None, st, dd)
 
     def fresh(export=False, keep=False):
         t = dev.begin()
         a, b = t.to_jax(x), t.to_jax(y32)
-        lp, h, st = fwd(a, b, None)
-        outs = [t.to_torch(lp), t.to_torch(h)] if export else []
+        out, st = fwd(a, b, None)
+        outs = [t.to_torch(out)] if export else []
         t = dev.begin()
         g = bwd(a, b, None, st, t.to_jax(d))
         if not export:
@@ -162,7 +162,7 @@ def ladder(device, impl, calls, num_tokens=16, num_vocab=1024):
 
     def bridge_full():
         lp, h = bridge.logprob_entropy(xr, y, check_targets=False)
-        return torch.autograd.grad([lp, h], xr, [d[0], d[1]])
+        return torch.autograd.grad([lp, h], xr, [d[:, 0], d[:, 1]])
 
     def bridge_forward():  # records the graph; dropping it drops the saved JAX views
         return bridge.logprob_entropy(xr, y, check_targets=False)
@@ -170,24 +170,24 @@ def ladder(device, impl, calls, num_tokens=16, num_vocab=1024):
     kept_lp, kept_h = bridge.logprob_entropy(xr, y, check_targets=False)
 
     def bridge_backward():  # the same graph's backward again and again
-        return torch.autograd.grad([kept_lp, kept_h], xr, [d[0], d[1]], retain_graph=True)
+        return torch.autograd.grad([kept_lp, kept_h], xr, [d[:, 0], d[:, 1]], retain_graph=True)
 
     xf = x.clone().requires_grad_()
 
     def torch_floor():
         a, b = _TorchFloor.apply(xf)
-        return torch.autograd.grad([a, b], xf, [d[0], d[1]])
+        return torch.autograd.grad([a, b], xf, [d[:, 0], d[:, 1]])
 
     steps = [
         ("1 staged jit fwd+bwd on owned arrays", lambda: on(ox, oy, od)),
         ("2 ... on DLPack views imported once", lambda: on(jx, jy, jd)),
         ("3 ... importing x, y, d every call", fresh),
-        ("4 ... + exporting lp, h, dx to torch", lambda: fresh(export=True)),
+        ("4 ... + exporting the outputs and dx to torch", lambda: fresh(export=True)),
         ("5 ... + torch keeps them until the next call", lambda: fresh(export=True, keep=True)),
         ("6 op.forward_impl + op.backward_impl (no autograd)",
          lambda: op.backward_impl(x, y, None, op.forward_impl(x, y, None, 1.0, True, impl,
                                                                "", 0, 1)[2],
-                                  d[0], d[1], 1.0, True, True, impl, 0)),
+                                  d[:, 0], d[:, 1], 1.0, True, True, impl, 0)),
         ("7 bridge.logprob_entropy + autograd.grad", bridge_full),
         ("7a ... its forward alone (graph recorded, then dropped)", bridge_forward),
         ("7b ... its backward alone (autograd.grad, retain_graph)", bridge_backward),
@@ -255,11 +255,12 @@ def scenario(device, T, V, dtype, with_entropy, calls, impl, do_compile, do_naiv
 
     fwd, bwd = staged_fns(impl, dev, with_entropy=with_entropy, target_mode="i32")
 
-    jd = jnp.stack([jg1, jg2]) if with_entropy else jg1[None]  # as the bridge passes them
+    # token-major incoming gradients, as the bridge passes them
+    jd = jnp.stack([jg1, jg2], axis=1) if with_entropy else jg1[:, None]
 
     def staged():
-        lp, h, st = fwd(jx, jy, None)
-        return lp, h, bwd(jx, jy, None, st, jd)
+        out, st = fwd(jx, jy, None)
+        return out, bwd(jx, jy, None, st, jd)
 
     res["jax-staged"] = timeit(staged, device, calls)
 

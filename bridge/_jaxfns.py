@@ -35,11 +35,31 @@ def decode_targets(raw, mode: str):
     return jnp.where(high == (low >> 31), low, -1)
 
 
+_JITTED: list = []  # every jitted function made here, for compiled_programs()
+
+
+def _cached(make):
+    """lru_cache for the factories below, remembering each jitted function made."""
+    @functools.lru_cache(maxsize=None)
+    @functools.wraps(make)
+    def factory(**static):
+        fn = make(**static)
+        _JITTED.append(fn)
+        return fn
+
+    return factory
+
+
+def compiled_programs() -> int:
+    """How many programs JAX has compiled for the bridge so far (all configurations)."""
+    return sum(fn._cache_size() for fn in _JITTED)
+
+
 def _pack_outputs(log_prob, entropy):
     return jnp.stack([log_prob] + ([entropy] if entropy is not None else []))
 
 
-@functools.lru_cache(maxsize=None)
+@_cached
 def local_forward(*, shard_index, world, inv_tau, with_entropy, masked, backend, config,
                   target_mode):
     """world == 1: (outputs [n_out, b], stats [1, K, b]); else this shard's stats [K, b]."""
@@ -60,7 +80,7 @@ def local_forward(*, shard_index, world, inv_tau, with_entropy, masked, backend,
     return jax.jit(fn)
 
 
-@functools.lru_cache(maxsize=None)
+@_cached
 def combine(*, num_vocab, with_entropy, masked, target_mode):
     """All shards' stats [R, K, b] -> outputs [n_out, b]."""
 
@@ -72,7 +92,7 @@ def combine(*, num_vocab, with_entropy, masked, target_mode):
     return jax.jit(fn)
 
 
-@functools.lru_cache(maxsize=None)
+@_cached
 def local_backward(*, shard_index, inv_tau, with_entropy, entropy_grad, masked, has_d_log_prob,
                    has_d_entropy, backend, config, target_mode, write_through):
     """d loss / d logits of this shard, no collective.

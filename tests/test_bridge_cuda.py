@@ -22,7 +22,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 import bridge  # noqa: E402
-from bridge import _dlpack, op  # noqa: E402
+from bridge import _dlpack, _run, op  # noqa: E402
 
 import _bridge_scenarios as S  # noqa: E402
 
@@ -55,7 +55,7 @@ def test_cuda_uses_pallas_and_fast_dlpack():
     bridge.logprob_entropy(x, y)
     dev = _dlpack.device(CUDA)
     assert dev.fast, "JAX's DLPack fast path is not in use on CUDA"
-    assert op._backend("", dev)[0] == "pallas"
+    assert _run.implementation_for("", dev)[0] == "pallas"
     assert dev.jax_device.platform == "gpu"
 
 
@@ -144,18 +144,122 @@ def test_no_host_synchronisation():
 
 
 def test_torch_sync_debug_mode_sees_no_sync():
-    x = torch.randn(8, 1000, device=CUDA, requires_grad=True)
-    y = torch.randint(0, 1000, (8,), device=CUDA)
-    g = torch.randn(8, device=CUDA)
-    torch.autograd.grad(bridge.logprob_entropy(x, y, check_targets=False), x, [g, g])
+    """Fresh targets every call (as in training), varying T (row windows, overlapping
+    ones included), a mask, the slime drop-in: torch sees no synchronisation."""
+    V = 1024
+    calls = [(8, False), (13, True), (300, False), (1000, True), (8, True), (13, False)]
+    for T, masked in calls:  # compile outside the check
+        x = torch.randn(T, V, device=CUDA, requires_grad=True)
+        mask = torch.rand(T, V, device=CUDA) < 0.3 if masked else None
+        lp, h = bridge.logprob_entropy(x, torch.randint(0, V, (T,), device=CUDA),
+                                       keep_mask=mask)
+        torch.autograd.grad([lp, h], x, [torch.ones_like(lp), torch.ones_like(h)])
+    torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        lp, h = bridge.logprob_entropy(x, y, check_targets=False)
-        torch.autograd.grad([lp, h], x, [g, g])
+        for T, masked in calls:
+            x = torch.randn(T, V, device=CUDA, requires_grad=True)
+            y = torch.randint(0, V, (T,), device=CUDA)  # a new tensor every call
+            mask = torch.rand(T, V, device=CUDA) < 0.3 if masked else None
+            lp, h = bridge.logprob_entropy(x, y, keep_mask=mask)
+            torch.autograd.grad([lp, h], x, [torch.ones_like(lp), torch.ones_like(h)])
+            lp2, h2 = bridge.calculate_log_probs_and_entropy(
+                x, y, None, with_entropy=True, log_prob_keep_mask=mask)
+            torch.autograd.grad([lp2.sum(), h2.sum()], x)
         with pytest.raises(RuntimeError, match="synchroniz"):
-            bridge.logprob_entropy(x, y, check_targets=True)  # the range check syncs
+            bridge.logprob_entropy(x, y, check_targets=True)  # the opt-in check syncs
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_varying_t_bounded_compiles_and_exact():
+    """A loop whose T changes every call compiles a bounded set of programs (one per
+    power-of-two window size, forward and backward), and every call is right."""
+    from bridge import _jaxfns
+
+    gen = torch.Generator(device=CUDA).manual_seed(7)
+    V, t_max = 2048, 3000
+    sizes = torch.randint(1, t_max + 1, (60,), generator=torch.Generator().manual_seed(7))
+    before = _jaxfns.compiled_programs()
+    for i, T in enumerate(sizes.tolist()):
+        x = (torch.randn(T, V, device=CUDA, generator=gen) * 3).to(torch.bfloat16)
+        x.requires_grad_()
+        y = torch.randint(0, V, (T,), device=CUDA, generator=gen)
+        g1, g2 = torch.randn(T, device=CUDA), torch.randn(T, device=CUDA)
+        lp, h = bridge.logprob_entropy(x, y, temperature=0.9)
+        (g,) = torch.autograd.grad([lp, h], x, [g1, g2])
+        xr = x.detach().double().requires_grad_()
+        lp_r, h_r = S.reference(xr, y, None, 0.9)
+        (g_r,) = torch.autograd.grad([lp_r, h_r], xr, [g1.double(), g2.double()])
+        scale = max(1.0, float(x.detach().float().abs().max()) / 0.9)
+        assert float((lp.double() - lp_r).abs().max()) <= 1e-5 * scale, (i, T)
+        assert float((h.double() - h_r).abs().max()) <= 1e-5 * scale, (i, T)
+        assert S.rel_err(g, g_r) <= S.grad_tol("bfloat16"), (i, T)
+    compiled = _jaxfns.compiled_programs() - before
+    bound = 2 * (t_max.bit_length() + 1)  # window sizes 1 .. 2**11, forward and backward
+    assert compiled <= bound, f"{compiled} programs compiled for 60 calls (bound {bound})"
+
+
+def test_gradient_lives_in_torchs_cache_and_jax_holds_o_of_t():
+    """torch's cache holds nearly all free GPU memory (allocated, freed, kept cached);
+    the bridge then runs at a size whose gradient fits only in that cache. No OOM,
+    the gradient is torch's, and what JAX holds afterwards is O(T)."""
+    code = """
+import bridge, torch
+T, V = 8192, 151936
+x = torch.randn(T, V, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+y = torch.randint(0, V, (T,), device="cuda")
+free, total = torch.cuda.mem_get_info()
+filler = torch.empty(free - (1 << 30), dtype=torch.uint8, device="cuda")  # leave 1 GiB
+del filler  # freed to torch's cache, not to the GPU
+torch.cuda.reset_peak_memory_stats()
+free_outside, _ = torch.cuda.mem_get_info()
+grad_bytes = x.numel() * x.element_size()
+assert grad_bytes > free_outside, (grad_bytes, free_outside)
+for _ in range(3):
+    lp, h = bridge.logprob_entropy(x, y)
+    (g,) = torch.autograd.grad([lp, h], x, [torch.ones_like(lp), torch.ones_like(h)])
+    torch.cuda.synchronize()
+    assert torch.isfinite(g.float().sum())
+d = bridge._dlpack.device(x.device).jax_device
+s = d.memory_stats() or {}
+pool = s.get("pool_bytes", s.get("bytes_reserved", 0))
+print(grad_bytes, free_outside, pool, torch.cuda.max_memory_allocated())
+"""
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_PYTHON_CLIENT_PREALLOCATE", None)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    grad_bytes, free_outside, pool, torch_peak = (int(v) for v in proc.stdout.split()[-4:])
+    print(f"gradient {grad_bytes / 2**30:.2f} GiB, free outside torch's cache "
+          f"{free_outside / 2**30:.2f} GiB, JAX pool after 3 calls {pool / 2**20:.1f} MiB, "
+          f"torch peak allocated {torch_peak / 2**30:.2f} GiB")
+    assert pool < 64 * 2**20, f"JAX holds {pool / 2**20:.0f} MiB after the calls (want O(T))"
+    assert torch_peak >= 2 * grad_bytes, "torch's allocator did not see the gradient"
+
+
+def test_cuda_large_call_rows_match_reference():
+    """T = 16,384, V = 151,936 (2.49e9 elements per [T, V] operand) through the bridge,
+    masked, bf16: first, middle and last rows and those around 2**31 / V."""
+    gen = torch.Generator(device=CUDA).manual_seed(11)
+    T, V, tau = 16_384, 151_936, 0.9
+    x = (torch.randn(T, V, device=CUDA, generator=gen) * 3).to(torch.bfloat16)
+    x.requires_grad_()
+    y = torch.randint(0, V, (T,), device=CUDA, generator=gen)
+    mask = torch.rand(T, V, device=CUDA, generator=gen) < 0.3
+    g1, g2 = torch.randn(T, device=CUDA), torch.randn(T, device=CUDA)
+    lp, h = bridge.logprob_entropy(x, y, keep_mask=mask, temperature=tau)
+    (g,) = torch.autograd.grad([lp, h], x, [g1, g2])
+    rows = torch.tensor([0, 1, T // 2, 14_133, 14_134, 14_135, T - 2, T - 1], device=CUDA)
+    xr = x.detach()[rows].double().requires_grad_()
+    lp_r, h_r = S.reference(xr, y[rows], mask[rows], tau)
+    (g_r,) = torch.autograd.grad([lp_r, h_r], xr, [g1[rows].double(), g2[rows].double()])
+    scale = max(1.0, float(xr.detach().abs().max()) / tau)
+    assert float((lp[rows].double() - lp_r).abs().max()) <= 1e-5 * scale
+    assert float((h[rows].double() - h_r).abs().max()) <= 1e-5 * scale
+    for i in range(len(rows)):
+        assert S.rel_err(g[rows[i]], g_r[i]) <= S.grad_tol("bfloat16"), int(rows[i])
 
 
 def test_cuda_zero_copy(monkeypatch):
@@ -171,7 +275,9 @@ def test_cuda_zero_copy(monkeypatch):
     (g,) = torch.autograd.grad(lp.sum(), x)
     assert all(src == dst for _, src, dst, _ in seen), seen
     assert any(k == "in" and p == x.data_ptr() for k, p, _, _ in seen)
-    assert any(k == "out" and p == g.data_ptr() for k, _, p, _ in seen)
+    # the gradient is torch's tensor, handed to JAX for the kernel to write in place
+    assert any(k == "in" and p == g.data_ptr() and shape == g.shape
+               for k, p, _, shape in seen), seen
 
 
 def test_cuda_torch_compile_and_opcheck():

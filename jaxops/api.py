@@ -11,17 +11,14 @@ import numpy as np
 from jax import lax
 
 from jaxops.combine import combine
-from jaxops.pallas_gpu import PallasConfig
+from jaxops.contract import varying_axes
+from jaxops.implementations import IMPLEMENTATIONS
+from jaxops.implementations import default as default_implementation
+from jaxops.pallas_config import PallasConfig
 from jaxops.reference import logprob_entropy_reference
-from jaxops.stats import local_stats, varying_axes
+from jaxops.stats import local_stats
 
-IMPLEMENTATIONS = ("pallas", "xla", "reference")
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-
-
-def default_implementation() -> str:
-    """"pallas" where JAX's default backend is a GPU, else "xla"."""
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
 
 
 def _is_tracer(x) -> bool:
@@ -179,7 +176,7 @@ def logprob_entropy(
             total_vocab = lax.axis_size(axis_name) * num_vocab
         targets_valid = (flat_targets >= 0) & (flat_targets < total_vocab)
         local_targets = flat_targets.astype(jnp.int32) - vocab_start
-        config = ()
+        config = None
         if impl == "pallas":
             config = pallas_config or PallasConfig()
             if jax.default_backend() != "gpu" and not config.interpret:

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxops.stats import LocalStats
+from jaxops.contract import LocalStats
 
 
 def _rescale(row_max, global_max):

@@ -28,7 +28,7 @@ from jaxops.api import (
     default_implementation,
     logprob_entropy,
 )
-from jaxops.pallas_gpu import PallasConfig
+from jaxops.pallas_config import PallasConfig
 
 
 def _axis_names(token_axis) -> tuple:

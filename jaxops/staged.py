@@ -11,7 +11,8 @@ reductions done over the leading axis, so every rank computes identical outputs.
 the VJP of `combine_gathered` with respect to its own row of `gathered`.
 
 All functions are pure JAX and jit-compiled here; `targets` are global ids,
-`shard_index * V_loc` is this shard's first column.
+`shard_index * V_loc` is this shard's first column. `implementation` ("pallas" or
+"xla") and `config` are as `jaxops.implementations.resolve` returns them.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxops import implementations
 from jaxops.combine import combine
-from jaxops.stats import LocalStats, _backend, backward_coefs
+from jaxops.contract import LocalStats, backward_coefs
+from jaxops.pallas_config import PallasConfig
 
 
 def _fields(with_entropy: bool, masked: bool) -> tuple[str, ...]:
@@ -52,11 +55,34 @@ def _local_targets(targets, shard_index, num_vocab):
     return targets.astype(jnp.int32) - shard_index * num_vocab
 
 
-@functools.partial(jax.jit, static_argnames=("inv_tau", "with_entropy", "backend", "config"))
+def _implementation(implementation, backend):
+    """The implementation's name; `backend=` is its former keyword, still accepted
+    (deprecated) while callers move to `implementation=`."""
+    if backend is not None:
+        if implementation is not None and implementation != backend:
+            raise TypeError(f"implementation={implementation!r} and backend={backend!r} differ; "
+                            "pass implementation= only")
+        return backend
+    if implementation is None:
+        raise TypeError("missing keyword argument 'implementation' ('pallas' or 'xla')")
+    return implementation
+
+
 def local_forward(logits, targets, keep_mask, shard_index, *, inv_tau, with_entropy,
-                  backend, config=()) -> jax.Array:
+                  implementation: str | None = None, config: PallasConfig | None = None,
+                  backend: str | None = None) -> jax.Array:
     """This shard's statistics of `logits [T, V_loc]`, packed as `[K, T]` float32."""
-    stats = _backend(backend).forward_stats(
+    return _local_forward(logits, targets, keep_mask, shard_index, inv_tau=inv_tau,
+                          with_entropy=with_entropy,
+                          implementation=_implementation(implementation, backend),
+                          config=config)
+
+
+@functools.partial(
+    jax.jit, static_argnames=("inv_tau", "with_entropy", "implementation", "config"))
+def _local_forward(logits, targets, keep_mask, shard_index, *, inv_tau, with_entropy,
+                   implementation, config) -> jax.Array:
+    stats = implementations.kernels(implementation).forward_stats(
         logits, _local_targets(targets, shard_index, logits.shape[-1]), keep_mask,
         inv_tau=inv_tau, with_entropy=with_entropy, config=config)
     return _pack(stats, with_entropy, keep_mask is not None)
@@ -80,11 +106,22 @@ def combine_gathered(gathered, targets, *, num_vocab, with_entropy, masked):
     return _combine_stack(gathered, targets, num_vocab * gathered.shape[0], with_entropy, masked)
 
 
-@functools.partial(
-    jax.jit, static_argnames=("inv_tau", "with_entropy", "entropy_grad", "backend", "config"))
 def local_backward(logits, targets, keep_mask, gathered, shard_index, d_log_prob, d_entropy,
-                   *, inv_tau, with_entropy, entropy_grad, backend, config=()) -> jax.Array:
+                   *, inv_tau, with_entropy, entropy_grad, implementation: str | None = None,
+                   config: PallasConfig | None = None, backend: str | None = None) -> jax.Array:
     """d loss / d logits `[T, V_loc]` (logits' dtype) for this shard, no collective."""
+    return _local_backward(logits, targets, keep_mask, gathered, shard_index, d_log_prob,
+                           d_entropy, inv_tau=inv_tau, with_entropy=with_entropy,
+                           entropy_grad=entropy_grad,
+                           implementation=_implementation(implementation, backend),
+                           config=config)
+
+
+@functools.partial(
+    jax.jit,
+    static_argnames=("inv_tau", "with_entropy", "entropy_grad", "implementation", "config"))
+def _local_backward(logits, targets, keep_mask, gathered, shard_index, d_log_prob, d_entropy,
+                    *, inv_tau, with_entropy, entropy_grad, implementation, config) -> jax.Array:
     masked = keep_mask is not None
     num_vocab = logits.shape[-1]
     total_vocab = num_vocab * gathered.shape[0]
@@ -100,6 +137,6 @@ def local_backward(logits, targets, keep_mask, gathered, shard_index, d_log_prob
     coefs = backward_coefs(_unpack(d_packed, with_entropy, masked),
                            with_entropy and entropy_grad, masked)
     own = _unpack(gathered[shard_index], with_entropy, masked)
-    return _backend(backend).backward_logits(
+    return implementations.kernels(implementation).backward_logits(
         logits, _local_targets(targets, shard_index, num_vocab), keep_mask,
         own.max_logit, own.masked_max, coefs, inv_tau=inv_tau, config=config)

@@ -31,6 +31,7 @@ from jax.test_util import check_grads
 
 import jaxops
 from jaxops import staged
+from jaxops.pallas_config import with_tuned_defaults
 
 ON_GPU = jax.default_backend() == "gpu"
 IMPLEMENTATIONS = ("pallas", "xla", "reference")
@@ -405,15 +406,14 @@ def test_kernel_variants(variant, num_vocab, dtype):
 ])
 def test_tuned_defaults(itemsize, masked, with_entropy, backward, expected):
     """The defaults benchmarks/NOTES.md documents (tuning log steps 3-7); explicit fields win."""
-    from jaxops.pallas_gpu import _resolve
-
-    resolved = _resolve(jaxops.PallasConfig(), 151_936, masked=masked, itemsize=itemsize,
-                        with_entropy=with_entropy, backward=backward)
+    resolved = with_tuned_defaults(jaxops.PallasConfig(), 151_936, masked=masked,
+                                   itemsize=itemsize, with_entropy=with_entropy,
+                                   backward=backward)
     assert {k: getattr(resolved, k) for k in expected} == expected
     assert (resolved.num_warps, resolved.num_stages) == (4, 2)
-    explicit = _resolve(jaxops.PallasConfig(block_v=512, prefetch=False, scalar_sums=False),
-                        151_936, masked=masked, itemsize=itemsize, with_entropy=with_entropy,
-                        backward=backward)
+    explicit = with_tuned_defaults(
+        jaxops.PallasConfig(block_v=512, prefetch=False, scalar_sums=False), 151_936,
+        masked=masked, itemsize=itemsize, with_entropy=with_entropy, backward=backward)
     assert (explicit.block_v, explicit.prefetch, explicit.scalar_sums) == (512, False, False)
 
 
@@ -738,15 +738,15 @@ def test_without_x64(implementation):
 
 
 def run_staged(logits, targets, keep_mask, num_shards, *, temperature, with_entropy,
-               entropy_grad, backend, g_lp, g_h):
+               entropy_grad, implementation, g_lp, g_h):
     """The staged protocol with `num_shards` vocabulary slices in one process."""
     num_vocab = logits.shape[-1] // num_shards
-    config = interpret_config() if backend == "pallas" else ()
+    config = interpret_config() if implementation == "pallas" else None
     cols = [slice(r * num_vocab, (r + 1) * num_vocab) for r in range(num_shards)]
     shard_logits = [logits[:, c] for c in cols]
     shard_masks = [None if keep_mask is None else keep_mask[:, c] for c in cols]
-    common = dict(inv_tau=1.0 / temperature, with_entropy=with_entropy, backend=backend,
-                  config=config)
+    common = dict(inv_tau=1.0 / temperature, with_entropy=with_entropy,
+                  implementation=implementation, config=config)
     packed = [staged.local_forward(shard_logits[r], targets, shard_masks[r], r, **common)
               for r in range(num_shards)]
     num_rows = staged.num_packed(with_entropy, keep_mask is not None)
@@ -775,35 +775,36 @@ def staged_inputs(mask, dtype=F32):
     return logits, targets, keep_mask
 
 
-def check_staged(backend, num_shards, mask, with_entropy=True, entropy_grad=True, dtype=F32):
+def check_staged(implementation, num_shards, mask, with_entropy=True, entropy_grad=True,
+                 dtype=F32):
     logits, targets, keep_mask = staged_inputs(mask, dtype)
     g_lp, g_h = random_cotangents(16, BASE_LEAD)
     outputs = run_staged(logits, targets, keep_mask, num_shards, temperature=BASE_TAU,
                          with_entropy=with_entropy, entropy_grad=entropy_grad,
-                         backend=backend, g_lp=g_lp, g_h=g_h)
+                         implementation=implementation, g_lp=g_lp, g_h=g_h)
     assert_matches_reference(logits, targets, keep_mask, BASE_TAU, *outputs, g_lp, g_h,
                              with_entropy=with_entropy, entropy_grad=entropy_grad)
 
 
-STAGED_BACKENDS = [
+STAGED_IMPLEMENTATIONS = [
     "xla",
     # Interpreted Pallas is slow: on CPU, test_staged_pallas covers it at 4 shards.
     pytest.param("pallas", marks=pytest.mark.gpu),
 ]
 
 
-@pytest.mark.parametrize("backend", STAGED_BACKENDS)
+@pytest.mark.parametrize("implementation", STAGED_IMPLEMENTATIONS)
 @pytest.mark.parametrize("num_shards", [1, 2, 4])
 @pytest.mark.parametrize("mask", [None, "mixed", "first_quarter"])
-def test_staged(backend, num_shards, mask):
-    check_staged(backend, num_shards, mask)
+def test_staged(implementation, num_shards, mask):
+    check_staged(implementation, num_shards, mask)
 
 
-@pytest.mark.parametrize("backend", STAGED_BACKENDS)
+@pytest.mark.parametrize("implementation", STAGED_IMPLEMENTATIONS)
 @pytest.mark.parametrize("num_shards", [2, 4])
 @pytest.mark.parametrize("with_entropy,entropy_grad", FLAGS[1:], ids=FLAG_IDS[1:])
-def test_staged_flags(backend, num_shards, with_entropy, entropy_grad):
-    check_staged(backend, num_shards, "mixed", with_entropy, entropy_grad)
+def test_staged_flags(implementation, num_shards, with_entropy, entropy_grad):
+    check_staged(implementation, num_shards, "mixed", with_entropy, entropy_grad)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)

@@ -18,7 +18,10 @@ compiled for real (`jax.default_backend() == "gpu"`). Nothing else is backend-sp
 from __future__ import annotations
 
 import functools
+import os
 import re
+import subprocess
+import sys
 from typing import NamedTuple
 
 import jax
@@ -720,6 +723,36 @@ def test_default_implementation():
     explicit = jaxops.logprob_entropy(logits, targets, implementation=expected)
     for got, want in zip(default, explicit):
         np.testing.assert_array_equal(got, want)
+
+
+def test_one_dispatch_policy():
+    """`implementations.resolve`: the default per platform, interpret mode off-GPU only."""
+    from jaxops.implementations import resolve
+
+    tuned = jaxops.PallasConfig(block_v=256)
+    assert resolve(None, "cpu") == ("xla", None)
+    assert resolve(None, "gpu") == ("pallas", jaxops.PallasConfig())
+    assert resolve("pallas", "cuda", tuned) == ("pallas", tuned)
+    assert resolve("pallas", "cpu", tuned) == ("pallas", jaxops.PallasConfig(block_v=256,
+                                                                             interpret=True))
+    assert resolve("xla", "gpu", tuned) == ("xla", None)
+    assert resolve("reference", "cpu") == ("reference", None)
+    assert resolve(None) == (jaxops.default_implementation(), resolve(None)[1])
+    with pytest.raises(ValueError, match="implementation"):
+        resolve("cuda", "gpu")
+
+
+def test_import_does_not_load_the_triton_lowering():
+    """Pallas's Triton lowering is imported with the "pallas" implementation, not before."""
+    code = ("import sys, jaxops; "
+            "print(sorted(m for m in sys.modules if 'pallas.triton' in m or "
+            "m == 'jaxops.pallas_gpu'))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, env=env, cwd=root)
+    assert done.stdout.strip() == "[]", done.stdout
 
 
 @pytest.mark.parametrize("implementation", FAST)

@@ -15,10 +15,10 @@ An implementation module supplies two functions:
 `keep_mask` `[T, V_loc]` bool or None, and `config` the implementation's launch
 parameters (a `PallasConfig` for "pallas"; ignored by "xla"). `max_logit` and
 `masked_max` are the forward's fields of the same names. The backward computes,
-per element (x = logits * inv_tau, m = max_logit, e = exp(x - m)):
+per element (x = logits * inv_tau, m = max_logit, r = masked_max, e = exp(x - m)):
 
   dx_j = e_j * (coef_sum + coef_shifted * (x_j - m))            # entropy, LSE
-       + [kept_j] * exp(x_j - masked_max) * coef_masked          # masked LSE
+       + [kept_j] * exp(x_j - r) * coef_masked                   # masked LSE
        + [j == target] * coef_target                            # target logit
   dlogits_j = dx_j * inv_tau, rounded once to the logits' dtype,
 
@@ -38,18 +38,35 @@ NEG = -1e30
 
 
 class LocalStats(NamedTuple):
-    """Row statistics of one vocabulary shard, all float32 `[T]`.
+    """Row statistics of one vocabulary shard, all float32 `[T]`, x = logits * inv_tau.
 
-    `max_logit` / `masked_max` are -inf (and the matching sums 0) where the
-    shard holds no finite logit / no kept logit for that row.
+    `max_logit` is -inf (and `sum_exp`, `sum_exp_shifted` are 0) where the shard holds
+    no finite logit for that row.
+
+    `masked_max` is *the reference point r of `masked_sum_exp`*, not necessarily the
+    largest kept logit: masked_sum_exp = sum over kept_j of exp(x_j - r). An
+    implementation may use either
+
+      * the kept maximum, max over kept_j of x_j (the XLA implementation, and the
+        Pallas forward's exact second pass), or
+      * the row maximum, r = max_logit (the Pallas forward when the masked sum shares
+        the row's exponentials; it does so only where that sum is >= 2**-60, so that
+        the kept terms that underflowed are negligible).
+
+    Either way r >= every kept x_j, so no term exceeds 1. Where this shard keeps no
+    finite logit of the row, r = -inf and masked_sum_exp = 0.
+    Consumers must only use r as the reference point that it is: the masked
+    log-normaliser r + log(masked_sum_exp) is the same whichever r was chosen
+    (`combine.py` rescales each shard's sum to the largest r over shards), and the
+    backward recomputes exp(x_j - r) with the r the forward returned.
     """
 
     max_logit: jax.Array  # m = max_j x_j
     sum_exp: jax.Array  # s = sum_j exp(x_j - m)
     sum_exp_shifted: jax.Array | None  # a = sum_j exp(x_j - m) (x_j - m); None without entropy
     target_logit: jax.Array  # x_y if the target lives on this shard, else 0
-    masked_max: jax.Array | None  # over kept_j = keep_mask_j or j == target
-    masked_sum_exp: jax.Array | None  # sum over kept_j of exp(x_j - masked_max)
+    masked_max: jax.Array | None  # r, the reference point of masked_sum_exp (see above)
+    masked_sum_exp: jax.Array | None  # sum over kept_j of exp(x_j - r); None without a mask
 
 
 class BackwardCoefs(NamedTuple):
@@ -75,6 +92,17 @@ def backward_coefs(cotangents: LocalStats, entropy_grad: bool, masked: bool) -> 
         coef_target=cotangents.target_logit,
         coef_masked=cotangents.masked_sum_exp if masked else None,
     )
+
+
+def masked_sum_shares_row_reference(max_logit, masked_max):
+    """True where the masked sum's reference point is the row maximum (r == m).
+
+    There exp(x_j - r) is exp(x_j - m) bit for bit (same reference, same arithmetic),
+    so a backward may compute one exponential per element for both the LSE and the
+    masked-LSE terms. This is an exact shortcut, not a flag: it holds whichever way
+    the forward chose r, including a kept maximum that happens to equal the row max.
+    """
+    return masked_max == max_logit
 
 
 def varying_axes(*arrays) -> frozenset:

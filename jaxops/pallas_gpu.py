@@ -24,7 +24,13 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxops import _triton_offsets
-from jaxops.contract import NEG, BackwardCoefs, LocalStats, varying_struct
+from jaxops.contract import (
+    NEG,
+    BackwardCoefs,
+    LocalStats,
+    masked_sum_shares_row_reference,
+    varying_struct,
+)
 from jaxops.pallas_config import PallasConfig, with_tuned_defaults
 
 __all__ = ["PallasConfig", "backward_logits", "forward_stats"]  # PallasConfig: re-exported
@@ -173,11 +179,11 @@ def _neg_reference(max_x):
     return -(max_x * _LOG2E)
 
 
-# The masked sum shares the row's exponentials (reference = the row max) unless
-# the kept mass relative to the max is below this; then kept logits may sit so
-# far below the max that their 2^d flush to zero, and the row takes a second,
-# exact pass with its own masked max. Above it, anything flushed (< 2^-126) is
-# < 2^-48 of the sum.
+# The masked sum shares the row's exponentials (its reference point `masked_max` is
+# then the row max, see `LocalStats`) unless the kept mass relative to the max is
+# below this; then kept logits may sit so far below the max that their 2^d flush to
+# zero, and the row takes a second, exact pass whose reference is the kept max.
+# Above it, anything flushed (< 2^-126) is < 2^-48 of the sum.
 _SHARED_MASKED_MIN = 2.0 ** -60
 
 
@@ -253,7 +259,7 @@ def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_ent
                  + jnp.where(target_alone, jnp.exp2((target_raw - new_max) * (inv_tau * _LOG2E)), 0.0))
         return jnp.where(new_max <= NEG, -jnp.inf, new_max * inv_tau), jnp.where(new_max <= NEG, 0.0, total)
 
-    def shared_result():
+    def shared_result():  # masked_max = the row max, the reference of the shared sum
         return (jnp.where(anything_kept & ~empty, max_x, -jnp.inf),
                 jnp.where(anything_kept & ~empty, shared_sum, 0.0))
 
@@ -360,7 +366,7 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config):
         onehot = cols == target
         if masked:
             kept = keep | onehot
-            if shared_reference:  # the forward's masked sum used the row max: reuse 2^d
+            if shared_reference:  # exp(x - masked_max) is 2^d bit for bit: reuse it
                 grad = exp_d * (coef + jnp.where(kept, coef_masked, 0.0))
             else:
                 masked_exp = _exp2(raw * scale + masked_neg_ref, config)
@@ -382,7 +388,11 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config):
                       prefetch=config.prefetch)
 
     if masked:
-        lax.cond(masked_max == row_max, lambda: sweep(True), lambda: sweep(False))
+        # One exponential per element serves both terms where the masked sum's reference
+        # point is the row max (the forward's shared path, or a kept max equal to it);
+        # elsewhere (the forward's exact pass) each term takes its own.
+        shared = masked_sum_shares_row_reference(row_max, masked_max)
+        lax.cond(shared, lambda: sweep(True), lambda: sweep(False))
     else:
         sweep(False)
 

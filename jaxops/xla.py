@@ -3,6 +3,8 @@ fallback where Pallas cannot run.
 
 Same contract as `pallas_gpu.py` (see `contract.py`); XLA fuses each function into
 a few reductions over the logits (forward) and one elementwise pass (backward).
+`masked_max` is always the kept maximum here, and the backward always computes
+exp(x - masked_max) on its own.
 """
 
 from __future__ import annotations

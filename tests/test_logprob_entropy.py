@@ -576,6 +576,42 @@ def test_kept_logits_far_below_the_row_max(implementation, dtype):
                         VALUE_RTOL * np.maximum(1.0, kept_x.max(axis=-1)))
 
 
+@pytest.mark.parametrize("dtype", (F32, BF16), ids=dtype_id)
+def test_masked_max_is_the_reference_point_of_the_masked_sum(dtype):
+    """`LocalStats.masked_max` (contract.py): the reference point r of masked_sum_exp,
+    the kept max or the row max. Pallas returns the row max where the masked sum shares
+    the row's exponentials and the kept max after its exact pass; r + log(masked_sum_exp)
+    is the masked log-normaliser either way (here against XLA, which uses the kept max)."""
+    from jaxops import implementations
+
+    logits, targets, keep_mask = make_inputs(12, (4,), BASE_V, dtype, mask="random")
+    # Rows 0, 1: an unkept max 2 above the others: the kept mass is large, shared path.
+    # Rows 2, 3: an unkept max of 1e4: the kept terms underflow, exact pass.
+    unkept = ~np.asarray(keep_mask) & (np.arange(BASE_V) != np.asarray(targets)[:, None])
+    high = np.asarray(logits, np.float32).copy()
+    for row, value in ((0, 2.0 + high[0].max()), (1, 2.0 + high[1].max()), (2, 1e4), (3, 1e4)):
+        high[row, np.argmax(unkept[row])] = value
+    logits = jnp.asarray(high, dtype)
+    local_targets = targets.astype(jnp.int32)
+
+    def stats(name, config=None):
+        return implementations.kernels(name).forward_stats(
+            logits, local_targets, keep_mask, inv_tau=1 / BASE_TAU, with_entropy=True,
+            config=config)
+
+    pallas, xla = stats("pallas", interpret_config(block_v=128)), stats("xla")
+    row_max, masked_max = np.asarray(pallas.max_logit), np.asarray(pallas.masked_max)
+    kept_max = np.asarray(xla.masked_max)
+    np.testing.assert_array_equal(row_max, np.asarray(xla.max_logit))
+    assert np.all(kept_max < row_max - 1.0)  # no row keeps its max
+    np.testing.assert_array_equal(masked_max[:2], row_max[:2])  # shared: the row max
+    np.testing.assert_allclose(masked_max[2:], kept_max[2:], rtol=1e-6)  # exact pass
+    assert np.all(masked_max[2:] < row_max[2:] - 1e3)
+    normaliser = masked_max + np.log(np.asarray(pallas.masked_sum_exp))
+    want = kept_max + np.log(np.asarray(xla.masked_sum_exp))
+    np.testing.assert_allclose(normaliser, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
 # --------------------------------------------------------------- bad calls, targets
 
 

@@ -51,10 +51,10 @@ from _sharding_cases import (  # noqa: E402
     collectives,
     compare,
     config_inputs,
+    expected64,
     make_datasets,
     mesh_1d,
     op_options,
-    reference64,
     run_all_configs,
     sharded_fn,
     user_shard_map,
@@ -77,7 +77,7 @@ def timed_run(mode, implementation, mesh, configs, datasets=DATASETS):
 
 
 def references_for(configs):
-    return [{name: reference64(d, cfg) for name, cfg in configs.items()} for d in DATASETS]
+    return [{name: expected64(d, cfg) for name, cfg in configs.items()} for d in DATASETS]
 
 
 # ------------------------------------------------------------------ matrix

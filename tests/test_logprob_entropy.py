@@ -1,14 +1,10 @@
 """`jaxops.logprob_entropy` and `jaxops.staged` against the float64 reference.
 
-The contract is SPEC §2 (semantics, edge cases, errors) and §8 (precision). With
-x = logits / temperature and the float64 numbers taken from
-`implementation="reference"` on the *same input values* upcast to float64:
-
-    log-prob, entropy:  |err| <= 1e-5 * max(1, max_j |x[t, j]|)      (per row)
-    gradient:           ||g - g64|| / ||g64|| <= 1e-5 (fp32), 4e-3 (bf16), 1e-3 (fp16)
-
-and the gradient has the logits' dtype. Gradients are checked through `jax.vjp` with
-random cotangents for both outputs.
+The contract is SPEC §2 (semantics, edge cases, errors) and §8 (precision): values and
+gradients against the float64 reference on the same input values, to the one tolerance
+table of tests/_oracle.py (log-prob, entropy: 1e-5 * max(1, max |x|) per row; gradient:
+relative 1e-5 fp32, 4e-3 bf16, 1e-3 fp16), and the gradient has the logits' dtype.
+Gradients are checked through `jax.vjp` with random cotangents for both outputs.
 
 Off-GPU, Pallas runs in interpret mode (slow), so the shapes here are small; the
 parameters marked `gpu` add production-size shapes that only run where the kernels are
@@ -36,18 +32,22 @@ import jaxops
 from jaxops import staged
 from jaxops.pallas_config import with_tuned_defaults
 
+from _oracle import (  # the one float64 oracle and tolerance table (re-exported for other tests)
+    VALUE_RTOL,
+    assert_grad_close,
+    assert_values_close,
+    grad_rtol,
+    largest_abs_x,
+    reference64,
+    to_float64,
+    value_bound,
+)
+
 ON_GPU = jax.default_backend() == "gpu"
 IMPLEMENTATIONS = ("pallas", "xla", "reference")
 FAST = ("pallas", "xla")
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 DTYPES = (F32, BF16, F16)
-VALUE_RTOL = 1e-5
-GRAD_RTOL = {jnp.dtype(F32): 1e-5, jnp.dtype(BF16): 4e-3, jnp.dtype(F16): 1e-3}
-# SPEC §8 states the gradient targets for logits up to |x| = 30. Beyond that an fp32
-# x = logits / tau is itself off by ~eps32 * |x|, which moves the probabilities by as
-# much (relative), so the fp32 part of the allowance grows in proportion to max |x|,
-# as the value bound does.
-X_RANGE = 30.0
 # "mixed" gives every row one of the other four kinds, all four present when T >= 4.
 MASK_KINDS = (None, "random", "none", "target_only", "all", "mixed")
 # Most tests share one shape and temperature, so that their compiled functions are
@@ -106,29 +106,7 @@ def interpret_config(**kwargs):
     return jaxops.PallasConfig(interpret=not ON_GPU, **kwargs)
 
 
-# -------------------------------------------------------------------------- reference
-
-
-@functools.partial(jax.jit, static_argnames=("temperature",))
-def reference64(logits, targets, keep_mask, g_log_prob, g_entropy, *, temperature):
-    """(log_prob, entropy, d logits) of the float64 reference for cotangents (g_lp, g_H).
-
-    Entropy is always on with its gradient here: the flags of the call under test are
-    checked against the definition (which cotangent reaches the logits), not against the
-    reference's own handling of them.
-    """
-    def op(x):
-        return jaxops.logprob_entropy(x, targets, keep_mask=keep_mask, temperature=temperature,
-                                      implementation="reference")
-
-    (log_prob, entropy), vjp = jax.vjp(op, logits)
-    (grad,) = vjp((g_log_prob.astype(jnp.float64), g_entropy.astype(jnp.float64)))
-    return log_prob, entropy, grad
-
-
-def to_float64(logits):
-    """The same values as float64 (host-side: no compile per input dtype)."""
-    return jnp.asarray(np.asarray(logits).astype(np.float64))
+# ------------------------------------------------------- the op against the reference
 
 
 def _op_with_vjp(logits, targets, keep_mask, g_log_prob, g_entropy, *, temperature,
@@ -149,61 +127,6 @@ def _op_with_vjp(logits, targets, keep_mask, g_log_prob, g_entropy, *, temperatu
 # targets are traced: the eager-only range check does not run (see the eager tests).
 op_with_vjp_jit = jax.jit(_op_with_vjp, static_argnames=(
     "temperature", "with_entropy", "entropy_grad", "implementation", "pallas_config"))
-
-
-def value_bound(logits, temperature):
-    """SPEC §8 per-row bound 1e-5 * max(1, max_j |x|), over the finite x."""
-    x = np.asarray(logits).astype(np.float64) / temperature
-    finite = np.where(np.isfinite(x), np.abs(x), 0.0)
-    return VALUE_RTOL * np.maximum(1.0, finite.max(axis=-1, initial=0.0))
-
-
-def assert_values_close(name, got, want, bound):
-    got = np.asarray(got).astype(np.float64)
-    want = np.asarray(want, np.float64)
-    assert got.shape == want.shape, f"{name}: shape {got.shape}, expected {want.shape}"
-    assert np.all(np.isfinite(want)), f"{name}: the reference itself is not finite"
-    nonfinite = ~np.isfinite(got)
-    assert not nonfinite.any(), (
-        f"{name}: non-finite at rows {np.argwhere(nonfinite)[:5].tolist()}")
-    err = np.abs(got - want)
-    bad = ~(err <= bound)
-    if bad.any():
-        worst = np.unravel_index(np.argmax(err / bound), err.shape)
-        raise AssertionError(
-            f"{name}: {int(bad.sum())} of {bad.size} rows exceed the bound; worst row "
-            f"{tuple(int(i) for i in worst)}: got {got[worst]!r}, want {want[worst]!r}, "
-            f"|err| {err[worst]:.3g} > bound {np.broadcast_to(bound, err.shape)[worst]:.3g}")
-
-
-def grad_rtol(dtype, max_abs_x=0.0):
-    return GRAD_RTOL[jnp.dtype(dtype)] + GRAD_RTOL[jnp.dtype(F32)] * max(
-        0.0, max_abs_x / X_RANGE - 1.0)
-
-
-def largest_abs_x(logits, temperature):
-    x = np.asarray(logits).astype(np.float64) / temperature
-    return float(np.abs(x[np.isfinite(x)]).max(initial=0.0))
-
-
-def assert_grad_close(grad, grad64, dtype, floor=0.0, max_abs_x=0.0):
-    """||g - g64|| <= grad_rtol(dtype, max|x|) * max(||g64||, floor).
-
-    `floor` (about the cotangents' size / temperature) only matters where the exact
-    gradient is ~0, e.g. V = 1, where plain fp32 rounding of g_lp - g_lp is all there is.
-    """
-    assert grad.dtype == jnp.dtype(dtype), f"gradient dtype {grad.dtype}, logits are {dtype}"
-    assert grad.shape == grad64.shape, f"gradient shape {grad.shape}, expected {grad64.shape}"
-    got = np.asarray(grad).astype(np.float64)
-    want = np.asarray(grad64, np.float64)
-    assert np.all(np.isfinite(want)), "the reference gradient itself is not finite"
-    nonfinite = ~np.isfinite(got)
-    assert not nonfinite.any(), f"non-finite gradient at {np.argwhere(nonfinite)[:5].tolist()}"
-    err, norm = np.linalg.norm(got - want), np.linalg.norm(want)
-    rtol = grad_rtol(dtype, max_abs_x)
-    assert err <= rtol * max(norm, floor), (
-        f"gradient ||g - g64|| / ||g64|| = {err / max(norm, 1e-300):.3g} > {rtol:g} "
-        f"(||g64|| = {norm:.3g}, max |g - g64| = {np.max(np.abs(got - want), initial=0):.3g})")
 
 
 class Outputs(NamedTuple):
@@ -487,7 +410,7 @@ def test_mask_keeps_only_the_target(implementation, mask):
         logits, targets, keep_mask, g_lp, None, temperature=BASE_TAU, with_entropy=False,
         entropy_grad=True, implementation=implementation)
     assert entropy is None
-    limit = GRAD_RTOL[jnp.dtype(F32)] * np.abs(np.asarray(g_lp))[:, None] / BASE_TAU
+    limit = grad_rtol(F32) * np.abs(np.asarray(g_lp))[:, None] / BASE_TAU
     assert np.all(np.abs(np.asarray(grad)) <= limit), np.abs(np.asarray(grad)).max(axis=-1)
 
 

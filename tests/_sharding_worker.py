@@ -63,7 +63,9 @@ from _sharding_cases import (  # noqa: E402
 
 SHAPE = (4, 2)  # leading dims: T = 8 tokens; dim 0 splits over up to 4 token shards
 VOCAB = 120  # divisible by 1, 2, 3, 4, 5, 8: V_loc = 120 ... 15
-BLOCK = jaxops.PallasConfig(block_v=16)  # several full vocabulary tiles plus a partial one
+# Vocabulary tiles of 16: full tiles plus a partial one for V_loc = 120 ... 24 (1 to 5
+# shards), a single partial tile for V_loc = 15 (8 shards).
+BLOCK = jaxops.PallasConfig(block_v=16)
 DATASETS = make_datasets(SHAPE, VOCAB)
 
 

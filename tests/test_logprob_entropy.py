@@ -238,16 +238,35 @@ def test_dtypes_and_flags(implementation, dtype, with_entropy, entropy_grad):
                             entropy_grad=entropy_grad, implementation=implementation, seed=1)
 
 
-# Default Pallas tiles: 4096 columns for fp32, 8192 for 16-bit logits.
-# (implementation, lead shape, V, dtype, mask kind, Pallas block_v or None)
+def pallas_tiles(num_vocab, dtype, mask, block_v=None):
+    """(full tiles, partial tail, tile size) of a Pallas kernel's walk over V: the
+    tuned default tile (pallas_config.with_tuned_defaults: 2048 columns, 1024 with a
+    mask, for every dtype) unless `block_v` is given."""
+    block = with_tuned_defaults(jaxops.PallasConfig(block_v=block_v), num_vocab,
+                                masked=mask is not None, itemsize=jnp.dtype(dtype).itemsize)
+    return (*divmod(num_vocab, block.block_v), block.block_v)
+
+
+def tile_case_id(implementation, lead, num_vocab, dtype, mask, block_v):
+    """e.g. "pallas-8229-bfloat16-mask_random-8x1024+37": 8 full tiles of 1024, a tail of 37."""
+    case_id = f"{implementation}-{num_vocab}-{dtype_id(dtype)}-mask_{mask}"
+    if implementation != "pallas":
+        return case_id
+    full, tail, block = pallas_tiles(num_vocab, dtype, mask, block_v)
+    return f"{case_id}-{full}x{block}" + (f"+{tail}" if tail else "")
+
+
+# (implementation, lead shape, V, dtype, mask kind, Pallas block_v or None = the default)
+_CPU_TILE_CASES = [
+    ("pallas", (2,), 4096 + 37, F32, None, None),  # full default tiles and a tail
+    ("pallas", (2,), 8192, F32, "random", None),  # an exact multiple of the tile
+    ("pallas", (2,), 8192 + 37, BF16, "random", None),  # full tiles and a tail, masked
+    ("pallas", (3,), 513, F32, "mixed", 128),  # small explicit tiles, a tail of 1
+    ("pallas", (3,), 512, BF16, "random", 128),  # small explicit tiles, no tail
+    ("xla", (2,), 4096 + 37, F32, "random", None),
+]
 TILE_CASES = [
-    pytest.param("pallas", (2,), 4096 + 37, F32, None, None, id="pallas-4133-f32-full+tail"),
-    pytest.param("pallas", (2,), 8192, F32, "random", None, id="pallas-8192-f32-2tiles"),
-    pytest.param("pallas", (2,), 8192 + 37, BF16, "random", None,
-                 id="pallas-8229-bf16-full+tail"),
-    pytest.param("pallas", (3,), 513, F32, "mixed", 128, id="pallas-513-block128-4tiles+1"),
-    pytest.param("pallas", (3,), 512, BF16, "random", 128, id="pallas-512-block128-4tiles"),
-    pytest.param("xla", (2,), 4096 + 37, F32, "random", None, id="xla-4133-f32"),
+    *[pytest.param(*case, id=tile_case_id(*case)) for case in _CPU_TILE_CASES],
     # Production sizes: only where Pallas is compiled for real.
     *[pytest.param(impl, lead, v, dtype, mask, None, marks=pytest.mark.gpu,
                    id=f"gpu-{impl}-{lead[0]}x{v}-{dtype_id(dtype)}-mask_{mask}")
@@ -257,9 +276,21 @@ TILE_CASES = [
 ]
 
 
+def test_tile_cases_walk_several_full_tiles():
+    """The default-tile Pallas cases of test_vocab_tiles walk several full tiles, with
+    and without a partial tail, unmasked and masked: still true if the tuned tile size
+    changes (their ids are computed from it)."""
+    walks = [(mask is not None, *pallas_tiles(v, dtype, mask)[:2])
+             for impl, _, v, dtype, mask, block_v in _CPU_TILE_CASES
+             if impl == "pallas" and block_v is None]
+    assert any(full >= 2 and tail for masked, full, tail in walks if not masked), walks
+    assert any(full >= 2 and tail for masked, full, tail in walks if masked), walks
+    assert any(full >= 2 and not tail for _, full, tail in walks), walks
+
+
 @pytest.mark.parametrize("implementation,lead,num_vocab,dtype,mask,block_v", TILE_CASES)
 def test_vocab_tiles(implementation, lead, num_vocab, dtype, mask, block_v):
-    """V over one tile, an exact multiple of the tile, and small explicit tiles."""
+    """V over several tiles, with and without a partial tail, and small explicit tiles."""
     logits, targets, keep_mask = make_inputs(2, lead, num_vocab, dtype, mask=mask, scale=5.0)
     config = interpret_config(block_v=block_v) if block_v else None
     check_against_reference(logits, targets, keep_mask=keep_mask, temperature=0.9,

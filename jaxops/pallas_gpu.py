@@ -290,7 +290,7 @@ def _lowering_indexes_safely(config: PallasConfig, *operands) -> bool:
     warnings.warn(
         "This JAX's Pallas Triton lowering indexes bool arrays of 2**31+ elements with "
         "32-bit offsets and jaxops could not correct it; computing this call with the "
-        "XLA backend instead (correct, slower).", RuntimeWarning, stacklevel=3)
+        "XLA implementation instead (correct, slower).", RuntimeWarning, stacklevel=3)
     return False
 
 

@@ -101,13 +101,14 @@ def breakdown(device, calls):
 
 def staged_fns(impl, dev, *, with_entropy, target_mode):
     """The bridge's own jitted (forward, backward) pair for one unmasked shard, temperature 1."""
-    backend, config = _run.implementation_for(impl, dev)
+    implementation, config = _run.implementation_for(impl, dev)
     fwd = _jaxfns.local_forward(shard_index=0, world=1, inv_tau=1.0, with_entropy=with_entropy,
-                                masked=False, backend=backend, config=config,
+                                masked=False, implementation=implementation, config=config,
                                 target_mode=target_mode)
     bwd = _jaxfns.local_backward(shard_index=0, inv_tau=1.0, with_entropy=with_entropy,
                                  entropy_grad=True, masked=False, has_d_log_prob=True,
-                                 has_d_entropy=with_entropy, backend=backend, config=config,
+                                 has_d_entropy=with_entropy, implementation=implementation,
+                                 config=config,
                                  target_mode=target_mode, write_through=False)
     return fwd, bwd
 

@@ -60,7 +60,7 @@ def _pack_outputs(log_prob, entropy):
 
 
 @_cached
-def local_forward(*, shard_index, world, inv_tau, with_entropy, masked, backend, config,
+def local_forward(*, shard_index, world, inv_tau, with_entropy, masked, implementation, config,
                   target_mode):
     """world == 1: (outputs [n_out, b], stats [1, K, b]); else this shard's stats [K, b]."""
 
@@ -68,7 +68,7 @@ def local_forward(*, shard_index, world, inv_tau, with_entropy, masked, backend,
         targets = decode_targets(raw_targets, target_mode)
         packed = staged.local_forward(
             logits, targets, keep_mask if masked else None, shard_index, inv_tau=inv_tau,
-            with_entropy=with_entropy, backend=backend, config=config)
+            with_entropy=with_entropy, implementation=implementation, config=config)
         if world > 1:
             return packed
         gathered = packed[None]
@@ -94,7 +94,7 @@ def combine(*, num_vocab, with_entropy, masked, target_mode):
 
 @_cached
 def local_backward(*, shard_index, inv_tau, with_entropy, entropy_grad, masked, has_d_log_prob,
-                   has_d_entropy, backend, config, target_mode, write_through):
+                   has_d_entropy, implementation, config, target_mode, write_through):
     """d loss / d logits of this shard, no collective.
 
     write_through: fn(..., into) stores the gradient into `into` (torch's tensor) and
@@ -107,7 +107,7 @@ def local_backward(*, shard_index, inv_tau, with_entropy, entropy_grad, masked, 
         return staged.local_backward(
             logits, targets, keep_mask if masked else None, gathered, shard_index,
             d_log_prob, d_entropy, inv_tau=inv_tau,
-            with_entropy=with_entropy, entropy_grad=entropy_grad, backend=backend,
+            with_entropy=with_entropy, entropy_grad=entropy_grad, implementation=implementation,
             config=config, into=into if write_through else None)
 
     return jax.jit(fn)

@@ -20,7 +20,6 @@ make torch's stream wait for JAX. No host synchronisation anywhere by default.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 
 import torch
@@ -28,8 +27,8 @@ import torch.distributed as dist
 
 from bridge import _dlpack, _jaxfns
 from bridge._windows import row_align, row_windows
-from jaxops import staged
-from jaxops.pallas_gpu import PallasConfig, can_write_into
+from jaxops import implementations, staged
+from jaxops.pallas_config import PallasConfig
 
 IMPLEMENTATIONS = ("pallas", "xla")
 PALLAS_CONFIG = PallasConfig()  # launch parameters for CUDA; interpret mode is added off-GPU
@@ -80,28 +79,25 @@ def _raw_targets(targets: torch.Tensor, dev) -> tuple[torch.Tensor, str, int]:
     return targets.detach(), "i32", 1
 
 
-def implementation_for(implementation: str, dev) -> tuple[str, object]:
-    impl = implementation or ("pallas" if dev.cuda else "xla")
-    if impl == "xla":
-        return "xla", ()
-    config = PALLAS_CONFIG
-    if not dev.cuda and not config.interpret:
-        config = dataclasses.replace(config, interpret=True)
-    return "pallas", config
+def implementation_for(implementation: str, dev) -> tuple[str, PallasConfig | None]:
+    """(name, config) for this device: jaxops' one dispatch policy (Pallas on CUDA,
+    interpreted elsewhere; XLA by default off-GPU) with the bridge's launch config."""
+    return implementations.resolve(implementation or None, "cuda" if dev.cuda else "cpu",
+                                   PALLAS_CONFIG)
 
 
 class Plan:
     """One call's torch inputs on one device, cut into row windows (torch views)."""
 
     __slots__ = ("dev", "logits", "mask", "raw_targets", "target_mode", "words",
-                 "windows", "backend", "config", "num_tokens", "num_vocab")
+                 "windows", "implementation", "config", "num_tokens", "num_vocab")
 
     def __init__(self, logits, targets, keep_mask, implementation):
         dev = self.dev = _dlpack.device(logits.device)
         self.logits = big("logits", logits, dev)
         self.mask = None if keep_mask is None else big("keep_mask", keep_mask, dev)
         self.raw_targets, self.target_mode, self.words = _raw_targets(targets, dev)
-        self.backend, self.config = implementation_for(implementation, dev)
+        self.implementation, self.config = implementation_for(implementation, dev)
         self.num_tokens, self.num_vocab = logits.shape
         smallest = 1 if keep_mask is not None else logits.element_size()
         self.windows = row_windows(self.num_tokens,
@@ -192,7 +188,7 @@ def forward(plan: Plan, inv_tau, with_entropy, group_name, rank, world, *,
     masked = plan.mask is not None
     fn = _jaxfns.local_forward(
         shard_index=rank, world=world, inv_tau=inv_tau, with_entropy=with_entropy,
-        masked=masked, backend=plan.backend, config=plan.config,
+        masked=masked, implementation=plan.implementation, config=plan.config,
         target_mode=plan.target_mode)
     inputs = [plan.window_inputs(w) for w in plan.windows]
     xfer = plan.dev.begin()
@@ -239,7 +235,8 @@ def backward(plan: Plan, state: ForwardState | None, stats, d_log_prob, d_entrop
     inputs = None if state is not None else [
         plan.window_inputs(w) + (small(stats[:, :, w.start:w.start + w.size], dev),)
         for w in plan.windows]
-    write_through = dev.cuda and plan.backend == "pallas"
+    write_through = dev.cuda and plan.implementation == "pallas"
+    can_write_into = write_through and implementations.kernels("pallas").can_write_into
     grad = torch.empty_like(plan.logits) if write_through else None
     xfer = dev.begin()  # JAX waits for every torch op above
     if state is None:
@@ -250,7 +247,8 @@ def backward(plan: Plan, state: ForwardState | None, stats, d_log_prob, d_entrop
     static = dict(shard_index=rank, inv_tau=inv_tau, with_entropy=with_entropy,
                   entropy_grad=entropy_grad, masked=plan.mask is not None,
                   has_d_log_prob=d_log_prob is not None, has_d_entropy=d_entropy is not None,
-                  backend=plan.backend, config=plan.config, target_mode=plan.target_mode)
+                  implementation=plan.implementation, config=plan.config,
+                  target_mode=plan.target_mode)
     pieces, done = [], None
     for w, v, s, d in zip(plan.windows, views, j_stats, d_windows):
         j_d = xfer.to_jax(d)

@@ -1,7 +1,9 @@
 """Fused vocab-parallel log-prob and entropy for RL post-training, in JAX/Pallas."""
 
-from jaxops.api import IMPLEMENTATIONS, default_implementation, logprob_entropy
-from jaxops.pallas_gpu import PallasConfig
+from jaxops.api import logprob_entropy
+from jaxops.implementations import IMPLEMENTATIONS
+from jaxops.implementations import default as default_implementation
+from jaxops.pallas_config import PallasConfig
 from jaxops.reference import logprob_entropy_reference
 from jaxops.sharding import vocab_parallel_logprob_entropy
 

@@ -2,80 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
-import numbers
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxops import implementations, validate
 from jaxops.combine import combine
-from jaxops.pallas_gpu import PallasConfig
+from jaxops.contract import varying_axes
+from jaxops.pallas_config import PallasConfig
 from jaxops.reference import logprob_entropy_reference
-from jaxops.stats import local_stats, varying_axes
-
-IMPLEMENTATIONS = ("pallas", "xla", "reference")
-_KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
-
-
-def default_implementation() -> str:
-    """"pallas" where JAX's default backend is a GPU, else "xla"."""
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
-
-
-def _is_tracer(x) -> bool:
-    return isinstance(x, jax.core.Tracer)
-
-
-def _check_array(name, x):
-    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-
-
-def _check_temperature(temperature) -> float:
-    if _is_tracer(temperature):
-        raise TypeError(
-            "temperature must be a concrete number (it is baked into the kernel); "
-            "got a traced value. Pass it as a static Python float.")
-    if isinstance(temperature, bool) or not (
-            isinstance(temperature, numbers.Real)
-            or (hasattr(temperature, "shape") and np.shape(temperature) == ())):
-        raise TypeError(f"temperature must be a real number, got {temperature!r}")
-    value = float(temperature)
-    if not (np.isfinite(value) and value > 0):
-        raise ValueError(f"temperature must be finite and > 0, got {value}")
-    return value
-
-
-def _check_same_device(logits, targets):
-    """Single-device, committed arrays on different devices: a user error, not a silent copy."""
-    if _is_tracer(logits) or _is_tracer(targets):
-        return
-    if not (isinstance(logits, jax.Array) and isinstance(targets, jax.Array)):
-        return
-    if not (getattr(logits, "committed", False) and getattr(targets, "committed", False)):
-        return
-    if len(logits.devices()) == 1 and logits.devices() != targets.devices():
-        raise ValueError(
-            f"logits are on {logits.devices()} but targets on {targets.devices()}; "
-            "put them on the same device")
-
-
-def _check_targets_in_range(targets, num_vocab):
-    """Eager calls only: inside jit an out-of-range target gives NaN in its row."""
-    if _is_tracer(targets):
-        return
-    host = np.asarray(targets)
-    bad = (host < 0) | (host >= num_vocab)
-    if bad.any():
-        rows = np.argwhere(bad)[:5]
-        shown = ", ".join(
-            f"{tuple(int(i) for i in r) if len(r) > 1 else int(r[0])}: {host[tuple(r)]}"
-            for r in rows)
-        raise ValueError(
-            f"targets must lie in [0, {num_vocab}); {int(bad.sum())} row(s) do not "
-            f"(row: value) {shown}")
+from jaxops.stats import local_stats
 
 
 def logprob_entropy(
@@ -121,42 +58,15 @@ def logprob_entropy(
       outside `[0, V)` raise ValueError in eager calls; under `jit` (where
       values are unknown) those rows' log-prob is NaN.
     """
-    _check_array("logits", logits)
-    _check_array("targets", targets)
-    if implementation not in (None, *IMPLEMENTATIONS):
-        raise ValueError(
-            f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
-    impl = implementation or default_implementation()
-    allowed = _KERNEL_DTYPES + ((jnp.float64,) if impl == "reference" else ())
-    if logits.ndim < 1 or logits.shape[-1] < 1:
-        raise ValueError(f"logits must have shape [..., V] with V >= 1, got {logits.shape}")
-    if jnp.dtype(logits.dtype) not in [jnp.dtype(d) for d in allowed]:
-        raise TypeError(
-            f"logits must be one of {[jnp.dtype(d).name for d in allowed]} for "
-            f"implementation {impl!r}, got {jnp.dtype(logits.dtype).name}")
-    if not jnp.issubdtype(targets.dtype, jnp.integer):
-        raise TypeError(f"targets must hold integer ids, got dtype {jnp.dtype(targets.dtype).name}")
-    if tuple(targets.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(
-            f"targets must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, "
-            f"got {tuple(targets.shape)}")
-    if keep_mask is not None:
-        _check_array("keep_mask", keep_mask)
-        if jnp.dtype(keep_mask.dtype) != jnp.dtype(jnp.bool_):
-            raise TypeError(f"keep_mask must be bool, got dtype {jnp.dtype(keep_mask.dtype).name}")
-        if tuple(keep_mask.shape) != tuple(logits.shape):
-            raise ValueError(
-                f"keep_mask must have the logits' shape {tuple(logits.shape)}, "
-                f"got {tuple(keep_mask.shape)}")
-    for flag_name, flag in (("with_entropy", with_entropy), ("entropy_grad", entropy_grad)):
-        if not isinstance(flag, (bool, np.bool_)):
-            raise TypeError(f"{flag_name} must be a bool, got {flag!r}")
-    tau = _check_temperature(temperature)
+    impl, config = implementations.resolve(implementation, pallas_config=pallas_config)
+    validate.check_inputs(logits, targets, keep_mask, impl)
+    validate.check_flags(with_entropy=with_entropy, entropy_grad=entropy_grad)
+    tau = validate.check_temperature(temperature)
     if axis_name is not None and impl == "reference":
         raise ValueError("implementation='reference' is unsharded; it does not take axis_name")
-    _check_same_device(logits, targets)
+    validate.check_same_device(logits, targets)
     if axis_name is None:
-        _check_targets_in_range(targets, logits.shape[-1])
+        validate.check_targets_in_range(targets, logits.shape[-1])
 
     lead_shape, num_vocab = tuple(logits.shape[:-1]), logits.shape[-1]
     num_tokens = int(np.prod(lead_shape))
@@ -179,18 +89,14 @@ def logprob_entropy(
             total_vocab = lax.axis_size(axis_name) * num_vocab
         targets_valid = (flat_targets >= 0) & (flat_targets < total_vocab)
         local_targets = flat_targets.astype(jnp.int32) - vocab_start
-        config = ()
-        if impl == "pallas":
-            config = pallas_config or PallasConfig()
-            if jax.default_backend() != "gpu" and not config.interpret:
-                config = dataclasses.replace(config, interpret=True)
-            if config.interpret and varying_axes(flat_logits, local_targets, flat_mask):
-                raise NotImplementedError(
-                    "implementation='pallas' in interpret mode (off-GPU) cannot run inside "
-                    "shard_map(check_vma=True): JAX's Pallas interpreter rejects inputs "
-                    "typed as varying over mesh axes. Use check_vma=False, "
-                    "implementation='xla', or jaxops.vocab_parallel_logprob_entropy; "
-                    "compiled Pallas on GPU works in both modes.")
+        if (impl == "pallas" and config.interpret
+                and varying_axes(flat_logits, local_targets, flat_mask)):
+            raise NotImplementedError(
+                "implementation='pallas' in interpret mode (off-GPU) cannot run inside "
+                "shard_map(check_vma=True): JAX's Pallas interpreter rejects inputs "
+                "typed as varying over mesh axes. Use check_vma=False, "
+                "implementation='xla', or jaxops.vocab_parallel_logprob_entropy; "
+                "compiled Pallas on GPU works in both modes.")
         stats = local_stats(flat_logits, local_targets, flat_mask, 1.0 / tau,
                             bool(with_entropy), bool(entropy_grad), impl, config)
         log_prob, entropy = combine(stats, targets_valid, entropy_grad=bool(entropy_grad),

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxops.stats import LocalStats
+from jaxops.contract import LocalStats
 
 
 def _rescale(row_max, global_max):
@@ -51,6 +51,9 @@ def combine(
         # sum_j exp(x_j - M) (x_j - M) of this shard, from its stats relative to m_r.
         terms.append(weight * (shifted + delta * stats.sum_exp))
     if masked:
+        # maxima[1] are the masked sums' reference points (LocalStats.masked_max): a
+        # shard's kept maximum or its row maximum. Only as such are they used: each
+        # shard's sum is rescaled to the largest reference point over the shards.
         masked_weight, _ = _rescale(maxima[1], global_maxima[1])
         terms.append(masked_weight * stats.masked_sum_exp)
     sums = jnp.stack(terms)

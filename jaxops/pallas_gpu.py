@@ -3,7 +3,9 @@
 One program per row. The forward streams the row's vocabulary in tiles of
 `block_v` and keeps online-softmax accumulators (SPEC §3); the backward
 recomputes exp(x - m) from the saved row maxima and writes the gradient once,
-in the logits' dtype. On CPU the same kernels run with `interpret=True`.
+in the logits' dtype. On CPU the same kernels run with `interpret=True`. The
+statistics and the gradient formula are the contract of `contract.py`; the launch
+parameters are `pallas_config.PallasConfig` (re-exported here).
 
 Lowering constraints (Triton): every array value has a power-of-two size, so
 the vocabulary is walked in power-of-two tiles; full tiles are loaded without
@@ -12,7 +14,6 @@ a bounds mask and only the last, partial tile is masked.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import warnings
 
@@ -23,7 +24,16 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from jaxops import _triton_offsets
-from jaxops.stats import NEG, BackwardCoefs, LocalStats, varying_struct
+from jaxops.contract import (
+    NEG,
+    BackwardCoefs,
+    LocalStats,
+    masked_sum_shares_row_reference,
+    varying_struct,
+)
+from jaxops.pallas_config import PallasConfig, with_tuned_defaults
+
+__all__ = ["PallasConfig", "backward_logits", "forward_stats"]  # PallasConfig: re-exported
 
 
 # Excluded entries (-inf logits, padding, masked-out columns) are clamped to
@@ -33,63 +43,6 @@ from jaxops.stats import NEG, BackwardCoefs, LocalStats, varying_struct
 _EXCLUDED = 2 * NEG
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
-
-
-@dataclasses.dataclass(frozen=True)
-class PallasConfig:
-    """Launch parameters and kernel variants; `None` fields take the tuned defaults."""
-
-    block_v: int | None = None  # vocabulary tile, a power of two (2048; 1024 with a mask)
-    num_warps: int | None = None
-    num_stages: int | None = None
-    # ex2.approx (one MUFU instruction) instead of libdevice's exp2f; the
-    # kernels are ALU-bound on bf16 without it.
-    approx_exp2: bool = True
-    # Skip the per-tile rescale of the running sums (a scalar branch) when the
-    # tile does not raise the row max (the skipped factor is exactly 1). None:
-    # only for the log-prob-only, unmasked forward, the one case where it was
-    # faster on the H200 (benchmarks/NOTES.md, tuning log step 4).
-    skip_rescale: bool | None = None
-    # Issue the next tile's loads before folding the current one (the tile is
-    # carried through the loop in registers), so each program keeps two tiles of
-    # HBM reads in flight instead of one. None: the tuned default (2-byte logits,
-    # except the forward with entropy).
-    prefetch: bool | None = None
-    # Reduce each tile's sums to scalars before accumulating (one cross-thread
-    # reduction per sum and tile) instead of carrying per-lane accumulators:
-    # fewer registers per thread, so more programs per SM. None: the tuned
-    # default (the forward with entropy, 2-byte logits).
-    scalar_sums: bool | None = None
-    interpret: bool = False
-    # Print the Triton IR of each kernel when it is lowered (tests read it).
-    debug: bool = False
-
-
-def _resolve(config: PallasConfig, num_vocab: int, *, masked: bool, itemsize: int,
-             with_entropy: bool = True, backward: bool = False) -> PallasConfig:
-    """Fill in the tuned defaults (benchmarks/NOTES.md, tuning log steps 3-7): one tile
-    size fits fp32 and bf16; masked kernels carry a third per-lane vector and the mask
-    bytes and run faster on half the tile. With 2-byte logits a tile is too few bytes in
-    flight per program: the forward with entropy reduces its sums per tile (fewer
-    registers, more programs per SM), the other kernels prefetch the next tile. fp32
-    keeps the plain kernels (at the roofline already)."""
-    narrow = itemsize < 4
-    block_v = config.block_v or (1024 if masked else 2048)
-    block_v = min(block_v, pl.next_power_of_2(max(num_vocab, 16)))
-    if block_v & (block_v - 1):
-        raise ValueError(f"block_v must be a power of two, got {block_v}")
-    return dataclasses.replace(
-        config,
-        block_v=block_v,
-        num_warps=config.num_warps or 4,
-        num_stages=config.num_stages or 2,
-        skip_rescale=(not (with_entropy or masked) if config.skip_rescale is None
-                      else config.skip_rescale),
-        prefetch=(narrow and (backward or not with_entropy) if config.prefetch is None
-                  else config.prefetch),
-        scalar_sums=(narrow and with_entropy and not backward if config.scalar_sums is None
-                     else config.scalar_sums),
-    )
 
 
 def _exp2(x, config: PallasConfig):
@@ -226,11 +179,11 @@ def _neg_reference(max_x):
     return -(max_x * _LOG2E)
 
 
-# The masked sum shares the row's exponentials (reference = the row max) unless
-# the kept mass relative to the max is below this; then kept logits may sit so
-# far below the max that their 2^d flush to zero, and the row takes a second,
-# exact pass with its own masked max. Above it, anything flushed (< 2^-126) is
-# < 2^-48 of the sum.
+# The masked sum shares the row's exponentials (its reference point `masked_max` is
+# then the row max, see `LocalStats`) unless the kept mass relative to the max is
+# below this; then kept logits may sit so far below the max that their 2^d flush to
+# zero, and the row takes a second, exact pass whose reference is the kept max.
+# Above it, anything flushed (< 2^-126) is < 2^-48 of the sum.
 _SHARED_MASKED_MIN = 2.0 ** -60
 
 
@@ -306,7 +259,7 @@ def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_ent
                  + jnp.where(target_alone, jnp.exp2((target_raw - new_max) * (inv_tau * _LOG2E)), 0.0))
         return jnp.where(new_max <= NEG, -jnp.inf, new_max * inv_tau), jnp.where(new_max <= NEG, 0.0, total)
 
-    def shared_result():
+    def shared_result():  # masked_max = the row max, the reference of the shared sum
         return (jnp.where(anything_kept & ~empty, max_x, -jnp.inf),
                 jnp.where(anything_kept & ~empty, shared_sum, 0.0))
 
@@ -337,7 +290,7 @@ def _lowering_indexes_safely(config: PallasConfig, *operands) -> bool:
     warnings.warn(
         "This JAX's Pallas Triton lowering indexes bool arrays of 2**31+ elements with "
         "32-bit offsets and jaxops could not correct it; computing this call with the "
-        "XLA backend instead (correct, slower).", RuntimeWarning, stacklevel=3)
+        "XLA implementation instead (correct, slower).", RuntimeWarning, stacklevel=3)
     return False
 
 
@@ -350,8 +303,8 @@ def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
                                  with_entropy=with_entropy)
     num_tokens, num_vocab = logits.shape
     masked = keep_mask is not None
-    config = _resolve(config, num_vocab, masked=masked, itemsize=logits.dtype.itemsize,
-                      with_entropy=with_entropy)
+    config = with_tuned_defaults(config, num_vocab, masked=masked,
+                                 itemsize=logits.dtype.itemsize, with_entropy=with_entropy)
     row = varying_struct((num_tokens,), jnp.float32, logits, local_targets, keep_mask)
     num_out = 3 + with_entropy + 2 * masked
     kernel = functools.partial(
@@ -417,7 +370,7 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, write_through, 
         onehot = cols == target
         if masked:
             kept = keep | onehot
-            if shared_reference:  # the forward's masked sum used the row max: reuse 2^d
+            if shared_reference:  # exp(x - masked_max) is 2^d bit for bit: reuse it
                 grad = exp_d * (coef + jnp.where(kept, coef_masked, 0.0))
             else:
                 masked_exp = _exp2(raw * scale + masked_neg_ref, config)
@@ -439,7 +392,11 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, write_through, 
                       prefetch=config.prefetch)
 
     if masked:
-        lax.cond(masked_max == row_max, lambda: sweep(True), lambda: sweep(False))
+        # One exponential per element serves both terms where the masked sum's reference
+        # point is the row max (the forward's shared path, or a kept max equal to it);
+        # elsewhere (the forward's exact pass) each term takes its own.
+        shared = masked_sum_shares_row_reference(row_max, masked_max)
+        lax.cond(shared, lambda: sweep(True), lambda: sweep(False))
     else:
         sweep(False)
 
@@ -476,8 +433,8 @@ def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
                                    coefs, inv_tau=inv_tau)
     num_tokens, num_vocab = logits.shape
     masked = keep_mask is not None
-    config = _resolve(config, num_vocab, masked=masked, itemsize=logits.dtype.itemsize,
-                      backward=True)
+    config = with_tuned_defaults(config, num_vocab, masked=masked,
+                                 itemsize=logits.dtype.itemsize, backward=True)
     entropy = coefs.coef_shifted is not None
     rows = [local_targets.astype(jnp.int32), max_logit, coefs.coef_sum]
     rows += [coefs.coef_shifted] if entropy else []

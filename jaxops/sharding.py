@@ -22,13 +22,9 @@ import math
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxops.api import (
-    _check_array,
-    _check_targets_in_range,
-    default_implementation,
-    logprob_entropy,
-)
-from jaxops.pallas_gpu import PallasConfig
+from jaxops import implementations, validate
+from jaxops.api import logprob_entropy
+from jaxops.pallas_config import PallasConfig
 
 
 def _axis_names(token_axis) -> tuple:
@@ -42,19 +38,15 @@ def _axis_names(token_axis) -> tuple:
                     f"got {token_axis!r}")
 
 
-def _uses_check_vma(implementation, pallas_config) -> bool:
+def _uses_check_vma(implementation: str, config: PallasConfig | None) -> bool:
     """check_vma=True (no collective in the backward) except for interpreted Pallas.
 
     JAX's Pallas interpreter cannot evaluate a kernel whose inputs are typed as
     varying over mesh axes, so the interpret path (Pallas off-GPU) runs with
-    check_vma=False, where the backward costs one extra O(T) psum.
+    check_vma=False, where the backward costs one extra O(T) psum. Takes what
+    `implementations.resolve` returns.
     """
-    impl = implementation or default_implementation()
-    if impl != "pallas":
-        return True
-    interpret = jax.default_backend() != "gpu" or (
-        pallas_config is not None and pallas_config.interpret)
-    return not interpret
+    return not (implementation == "pallas" and config.interpret)
 
 
 def vocab_parallel_logprob_entropy(
@@ -122,24 +114,14 @@ def vocab_parallel_logprob_entropy(
     if implementation == "reference":
         raise ValueError("implementation='reference' is unsharded; it is not vocab-parallel")
 
-    _check_array("logits", logits)
-    _check_array("targets", targets)
-    if logits.ndim < 1:
-        raise ValueError(f"logits must have shape [..., V], got {logits.shape}")
+    impl, config = implementations.resolve(implementation, pallas_config=pallas_config)
+    validate.check_inputs(logits, targets, keep_mask, impl)
     num_shards = mesh.shape[vocab_axis]
     num_vocab = logits.shape[-1]
     if num_vocab % num_shards:
         raise ValueError(
             f"the vocabulary (V = {num_vocab}) must split evenly over mesh axis "
             f"{vocab_axis!r} of size {num_shards}: every shard holds the same number of columns")
-    if tuple(targets.shape) != tuple(logits.shape[:-1]):
-        raise ValueError(f"targets must have shape logits.shape[:-1] = "
-                         f"{tuple(logits.shape[:-1])}, got {tuple(targets.shape)}")
-    if keep_mask is not None:
-        _check_array("keep_mask", keep_mask)
-        if tuple(keep_mask.shape) != tuple(logits.shape):
-            raise ValueError(f"keep_mask must have the logits' shape {tuple(logits.shape)}, "
-                             f"got {tuple(keep_mask.shape)}")
     if token_axes:
         if logits.ndim < 2:
             raise ValueError("token_axis needs logits with a token dimension, [T, ..., V]")
@@ -149,13 +131,7 @@ def vocab_parallel_logprob_entropy(
                 f"logits.shape[0] = {logits.shape[0]} must split evenly over token_axis "
                 f"{token_axis!r} ({token_shards} shards)")
     # Range check in eager calls (inside jit, a bad target gives NaN in its row).
-    # Across hosts each process checks the shards it holds.
-    if not isinstance(targets, jax.core.Tracer):
-        parts = [targets]
-        if isinstance(targets, jax.Array) and not targets.is_fully_addressable:
-            parts = [shard.data for shard in targets.addressable_shards]
-        for part in parts:
-            _check_targets_in_range(part, num_vocab)
+    validate.check_targets_in_range(targets, num_vocab)
 
     # Token dims: the first one over token_axis (if any), the rest whole.
     lead = ()
@@ -177,5 +153,5 @@ def vocab_parallel_logprob_entropy(
     out_specs = (row_spec, row_spec) if with_entropy else (row_spec,)
     outs = jax.shard_map(
         per_shard, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-        check_vma=_uses_check_vma(implementation, pallas_config))(*args)
+        check_vma=_uses_check_vma(impl, config))(*args)
     return outs if with_entropy else (outs[0], None)

@@ -11,7 +11,8 @@ reductions done over the leading axis, so every rank computes identical outputs.
 the VJP of `combine_gathered` with respect to its own row of `gathered`.
 
 All functions are pure JAX and jit-compiled here; `targets` are global ids,
-`shard_index * V_loc` is this shard's first column.
+`shard_index * V_loc` is this shard's first column. `implementation` ("pallas" or
+"xla") and `config` are as `jaxops.implementations.resolve` returns them.
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from jaxops import implementations
 from jaxops.combine import combine
-from jaxops.stats import LocalStats, _backend, backward_coefs
+from jaxops.contract import LocalStats, backward_coefs
+from jaxops.pallas_config import PallasConfig
 
 
 def _fields(with_entropy: bool, masked: bool) -> tuple[str, ...]:
@@ -52,11 +55,12 @@ def _local_targets(targets, shard_index, num_vocab):
     return targets.astype(jnp.int32) - shard_index * num_vocab
 
 
-@functools.partial(jax.jit, static_argnames=("inv_tau", "with_entropy", "backend", "config"))
+@functools.partial(
+    jax.jit, static_argnames=("inv_tau", "with_entropy", "implementation", "config"))
 def local_forward(logits, targets, keep_mask, shard_index, *, inv_tau, with_entropy,
-                  backend, config=()) -> jax.Array:
+                  implementation: str, config: PallasConfig | None = None) -> jax.Array:
     """This shard's statistics of `logits [T, V_loc]`, packed as `[K, T]` float32."""
-    stats = _backend(backend).forward_stats(
+    stats = implementations.kernels(implementation).forward_stats(
         logits, _local_targets(targets, shard_index, logits.shape[-1]), keep_mask,
         inv_tau=inv_tau, with_entropy=with_entropy, config=config)
     return _pack(stats, with_entropy, keep_mask is not None)
@@ -81,10 +85,11 @@ def combine_gathered(gathered, targets, *, num_vocab, with_entropy, masked):
 
 
 @functools.partial(
-    jax.jit, static_argnames=("inv_tau", "with_entropy", "entropy_grad", "backend", "config"))
+    jax.jit,
+    static_argnames=("inv_tau", "with_entropy", "entropy_grad", "implementation", "config"))
 def local_backward(logits, targets, keep_mask, gathered, shard_index, d_log_prob, d_entropy,
-                   *, inv_tau, with_entropy, entropy_grad, backend, config=(),
-                   into=None) -> jax.Array:
+                   *, inv_tau, with_entropy, entropy_grad, implementation: str,
+                   config: PallasConfig | None = None, into=None) -> jax.Array:
     """d loss / d logits `[T, V_loc]` (logits' dtype) for this shard, no collective.
 
     `into`: Pallas only -- a `[T, V_loc]` buffer the kernel writes the gradient into;
@@ -106,6 +111,6 @@ def local_backward(logits, targets, keep_mask, gathered, shard_index, d_log_prob
                            with_entropy and entropy_grad, masked)
     own = _unpack(gathered[shard_index], with_entropy, masked)
     extra = {} if into is None else {"into": into}
-    return _backend(backend).backward_logits(
+    return implementations.kernels(implementation).backward_logits(
         logits, _local_targets(targets, shard_index, num_vocab), keep_mask,
         own.max_logit, own.masked_max, coefs, inv_tau=inv_tau, config=config, **extra)

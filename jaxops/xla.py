@@ -1,7 +1,10 @@
-"""The statistics backend in fused `jnp`: the CPU path and the fallback where Pallas cannot run.
+"""The "xla" implementation of the shard statistics, in fused `jnp`: the CPU path and the
+fallback where Pallas cannot run.
 
-Same contract as `pallas_gpu.py` (see `stats.py`); XLA fuses each function into
+Same contract as `pallas_gpu.py` (see `contract.py`); XLA fuses each function into
 a few reductions over the logits (forward) and one elementwise pass (backward).
+`masked_max` is always the kept maximum here, and the backward always computes
+exp(x - masked_max) on its own.
 """
 
 from __future__ import annotations
@@ -9,7 +12,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxops.stats import NEG, BackwardCoefs, LocalStats
+from jaxops.contract import NEG, BackwardCoefs, LocalStats
 
 
 def _scaled(logits: jax.Array, inv_tau: float) -> jax.Array:
@@ -39,8 +42,8 @@ def _row_max_and_exp(x, weights_mask=None):
 
 
 def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
-                  config=()) -> LocalStats:
-    del config
+                  config=None) -> LocalStats:
+    del config  # nothing to configure
     num_vocab = logits.shape[-1]
     x = _scaled(logits, inv_tau)
     row_max, empty, shifted, exp_shifted = _row_max_and_exp(x)
@@ -66,8 +69,8 @@ def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
 
 
 def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
-                    coefs: BackwardCoefs, *, inv_tau, config=()) -> jax.Array:
-    del config
+                    coefs: BackwardCoefs, *, inv_tau, config=None) -> jax.Array:
+    del config  # nothing to configure
     num_vocab = logits.shape[-1]
     x = _scaled(logits, inv_tau)
     shifted = x - _finite_or_zero(max_logit)[:, None]

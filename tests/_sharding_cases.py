@@ -16,6 +16,7 @@ from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxops
+from _oracle import VALUE_RTOL, assert_grad_close, assert_values_close, reference64, value_bound
 
 # Every option of the core op appears in at least one configuration: keep_mask
 # on/off, temperature 1 and not, entropy off / on with its gradient / on without,
@@ -31,10 +32,6 @@ CONFIGS = {
                           entropy_grad=True),
 }
 
-# Gradient tolerance (relative norm): float32 per SPEC §8; low precision: about
-# one rounding of the gradient's dtype.
-GRAD_TOL = {jnp.float32: 1e-5, jnp.bfloat16: 8e-3, jnp.float16: 2e-3}
-VALUE_TOL = 1e-5  # |error| / max(1, max_j |x[t, j]|), SPEC §8
 SCENARIOS = ("spread", "one", "absent")
 VOCAB_AXIS = "tp"
 
@@ -203,53 +200,42 @@ def run_all_configs(mode, implementation, mesh, datasets, configs, pallas_config
 
 # ------------------------------------------------------------------ expectations
 
-def reference64(data, cfg):
-    """float64 reference (values and gradient) on the same input values."""
+def expected64(data, cfg):
+    """(log_prob, entropy, d logits) of the float64 reference (tests/_oracle.py) on the
+    same input values, for the config's flags: no entropy, or an entropy without
+    gradient (its cotangent reaches nothing)."""
     logits, mask = config_inputs(data, cfg)
     shape = data["targets"].shape
-    with jax.enable_x64(True):
-        x64 = jnp.asarray(np.asarray(logits.astype(jnp.float32)), jnp.float64)
-        flat = (-1, x64.shape[-1])
-
-        def fn(x, targets, mask):
-            lp, h = jaxops.logprob_entropy_reference(
-                x.reshape(flat), targets.reshape(-1),
-                None if mask is None else mask.reshape(flat), cfg["temperature"],
-                cfg["with_entropy"], cfg["entropy_grad"])
-            return lp.reshape(shape), (None if h is None else h.reshape(shape))
-
-        out = value_and_vjp(fn, x64, jnp.asarray(data["targets"]), mask,
-                            jnp.asarray(data["d_log_prob"], jnp.float64),
-                            jnp.asarray(data["d_entropy"], jnp.float64))
-        return jax.device_get(out)
+    flat = (-1, logits.shape[-1])
+    d_entropy = data["d_entropy"] if cfg["with_entropy"] and cfg["entropy_grad"] else (
+        np.zeros_like(data["d_entropy"]))
+    log_prob, entropy, grad = jax.device_get(reference64(
+        np.asarray(logits.astype(jnp.float32)).reshape(flat), data["targets"].reshape(-1),
+        None if mask is None else np.asarray(mask).reshape(flat),
+        data["d_log_prob"].reshape(-1), d_entropy.reshape(-1),
+        temperature=cfg["temperature"]))
+    return (log_prob.reshape(shape), entropy.reshape(shape) if cfg["with_entropy"] else None,
+            grad.reshape(logits.shape))
 
 
-def compare(label, got, want, data, cfg, value_tol=VALUE_TOL, grad_tol=None):
-    """Values: |err| <= value_tol * max(1, max|x| of the row); gradients: relative norm.
+def compare(label, got, want, data, cfg, value_rtol=VALUE_RTOL, grad_rtol=None):
+    """Values: |err| <= value_rtol * max(1, max|x| of the row); gradients: relative norm
+    <= grad_rtol (default: the tolerance table of tests/_oracle.py for the config's dtype).
 
     Returns the gradient's relative error.
     """
-    grad_tol = GRAD_TOL[cfg["dtype"]] if grad_tol is None else grad_tol
     log_prob, entropy, grad = got
     want_lp, want_h, want_g = want
-    scale = np.maximum(1.0, np.max(np.abs(data["logits"]), axis=-1) / cfg["temperature"])
+    bound = value_bound(data["logits"], cfg["temperature"], rtol=value_rtol)
     assert np.dtype(log_prob.dtype) == np.float32, (label, log_prob.dtype)
-    assert np.all(np.isfinite(log_prob)), (label, "log_prob not finite", log_prob)
-    err = np.max(np.abs(log_prob - want_lp) / scale)
-    assert err <= value_tol, f"{label}: log_prob error {err:.3g} > {value_tol}"
+    assert_values_close(f"{label}: log_prob", log_prob, want_lp, bound)
     if cfg["with_entropy"]:
-        assert entropy is not None and np.all(np.isfinite(entropy)), (label, entropy)
-        err = np.max(np.abs(entropy - want_h) / scale)
-        assert err <= value_tol, f"{label}: entropy error {err:.3g} > {value_tol}"
+        assert entropy is not None, (label, "entropy is None")
+        assert_values_close(f"{label}: entropy", entropy, want_h, bound)
     else:
         assert entropy is None, (label, "entropy should be None")
-    assert grad.dtype == np.dtype(cfg["dtype"]), (label, grad.dtype)
-    g = np.asarray(grad, np.float64)
-    g_want = np.asarray(want_g, np.float64)
-    assert np.all(np.isfinite(g)), (label, "gradient not finite")
-    rel = np.linalg.norm(g - g_want) / max(np.linalg.norm(g_want), 1e-30)
-    assert rel <= grad_tol, f"{label}: gradient relative error {rel:.3g} > {grad_tol}"
-    return float(rel)
+    return assert_grad_close(grad, want_g, cfg["dtype"], rtol=grad_rtol,
+                             name=f"{label}: gradient")
 
 
 def check_against_references(label, results, unsharded_results, references, datasets,
@@ -266,7 +252,7 @@ def check_against_references(label, results, unsharded_results, references, data
             # Against the unsharded op: equal up to the order of additions (and, for
             # low-precision gradients, one rounding).
             compare(where + " vs unsharded", got, unsharded_results[index][name], data, cfg,
-                    value_tol=unsharded_value_tol)
+                    value_rtol=unsharded_value_tol)
             rel = compare(where + " vs float64", got, references[index][name], data, cfg)
             worst[name] = max(worst.get(name, 0.0), rel)
             if cfg["mask"] and SCENARIOS[index] == "one":

@@ -51,10 +51,10 @@ from _sharding_cases import (  # noqa: E402
     collectives,
     compare,
     config_inputs,
+    expected64,
     make_datasets,
     mesh_1d,
     op_options,
-    reference64,
     run_all_configs,
     sharded_fn,
     user_shard_map,
@@ -63,7 +63,9 @@ from _sharding_cases import (  # noqa: E402
 
 SHAPE = (4, 2)  # leading dims: T = 8 tokens; dim 0 splits over up to 4 token shards
 VOCAB = 120  # divisible by 1, 2, 3, 4, 5, 8: V_loc = 120 ... 15
-BLOCK = jaxops.PallasConfig(block_v=16)  # several full vocabulary tiles plus a partial one
+# Vocabulary tiles of 16: full tiles plus a partial one for V_loc = 120 ... 24 (1 to 5
+# shards), a single partial tile for V_loc = 15 (8 shards).
+BLOCK = jaxops.PallasConfig(block_v=16)
 DATASETS = make_datasets(SHAPE, VOCAB)
 
 
@@ -77,7 +79,7 @@ def timed_run(mode, implementation, mesh, configs, datasets=DATASETS):
 
 
 def references_for(configs):
-    return [{name: reference64(d, cfg) for name, cfg in configs.items()} for d in DATASETS]
+    return [{name: expected64(d, cfg) for name, cfg in configs.items()} for d in DATASETS]
 
 
 # ------------------------------------------------------------------ matrix

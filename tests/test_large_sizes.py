@@ -24,7 +24,7 @@ import pytest
 
 import jaxops
 from jaxops import pallas_gpu
-from jaxops.stats import BackwardCoefs
+from jaxops.contract import BackwardCoefs
 
 from test_logprob_entropy import (  # one float64 oracle and tolerance table for all tests
     BF16, F32, assert_grad_close, assert_values_close, op_with_vjp_jit, reference64,

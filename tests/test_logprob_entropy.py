@@ -1,14 +1,10 @@
 """`jaxops.logprob_entropy` and `jaxops.staged` against the float64 reference.
 
-The contract is SPEC §2 (semantics, edge cases, errors) and §8 (precision). With
-x = logits / temperature and the float64 numbers taken from
-`implementation="reference"` on the *same input values* upcast to float64:
-
-    log-prob, entropy:  |err| <= 1e-5 * max(1, max_j |x[t, j]|)      (per row)
-    gradient:           ||g - g64|| / ||g64|| <= 1e-5 (fp32), 4e-3 (bf16), 1e-3 (fp16)
-
-and the gradient has the logits' dtype. Gradients are checked through `jax.vjp` with
-random cotangents for both outputs.
+The contract is SPEC §2 (semantics, edge cases, errors) and §8 (precision): values and
+gradients against the float64 reference on the same input values, to the one tolerance
+table of tests/_oracle.py (log-prob, entropy: 1e-5 * max(1, max |x|) per row; gradient:
+relative 1e-5 fp32, 4e-3 bf16, 1e-3 fp16), and the gradient has the logits' dtype.
+Gradients are checked through `jax.vjp` with random cotangents for both outputs.
 
 Off-GPU, Pallas runs in interpret mode (slow), so the shapes here are small; the
 parameters marked `gpu` add production-size shapes that only run where the kernels are
@@ -18,7 +14,10 @@ compiled for real (`jax.default_backend() == "gpu"`). Nothing else is backend-sp
 from __future__ import annotations
 
 import functools
+import os
 import re
+import subprocess
+import sys
 from typing import NamedTuple
 
 import jax
@@ -31,19 +30,24 @@ from jax.test_util import check_grads
 
 import jaxops
 from jaxops import staged
+from jaxops.pallas_config import with_tuned_defaults
+
+from _oracle import (  # the one float64 oracle and tolerance table (re-exported for other tests)
+    VALUE_RTOL,
+    assert_grad_close,
+    assert_values_close,
+    grad_rtol,
+    largest_abs_x,
+    reference64,
+    to_float64,
+    value_bound,
+)
 
 ON_GPU = jax.default_backend() == "gpu"
 IMPLEMENTATIONS = ("pallas", "xla", "reference")
 FAST = ("pallas", "xla")
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 DTYPES = (F32, BF16, F16)
-VALUE_RTOL = 1e-5
-GRAD_RTOL = {jnp.dtype(F32): 1e-5, jnp.dtype(BF16): 4e-3, jnp.dtype(F16): 1e-3}
-# SPEC §8 states the gradient targets for logits up to |x| = 30. Beyond that an fp32
-# x = logits / tau is itself off by ~eps32 * |x|, which moves the probabilities by as
-# much (relative), so the fp32 part of the allowance grows in proportion to max |x|,
-# as the value bound does.
-X_RANGE = 30.0
 # "mixed" gives every row one of the other four kinds, all four present when T >= 4.
 MASK_KINDS = (None, "random", "none", "target_only", "all", "mixed")
 # Most tests share one shape and temperature, so that their compiled functions are
@@ -102,29 +106,7 @@ def interpret_config(**kwargs):
     return jaxops.PallasConfig(interpret=not ON_GPU, **kwargs)
 
 
-# -------------------------------------------------------------------------- reference
-
-
-@functools.partial(jax.jit, static_argnames=("temperature",))
-def reference64(logits, targets, keep_mask, g_log_prob, g_entropy, *, temperature):
-    """(log_prob, entropy, d logits) of the float64 reference for cotangents (g_lp, g_H).
-
-    Entropy is always on with its gradient here: the flags of the call under test are
-    checked against the definition (which cotangent reaches the logits), not against the
-    reference's own handling of them.
-    """
-    def op(x):
-        return jaxops.logprob_entropy(x, targets, keep_mask=keep_mask, temperature=temperature,
-                                      implementation="reference")
-
-    (log_prob, entropy), vjp = jax.vjp(op, logits)
-    (grad,) = vjp((g_log_prob.astype(jnp.float64), g_entropy.astype(jnp.float64)))
-    return log_prob, entropy, grad
-
-
-def to_float64(logits):
-    """The same values as float64 (host-side: no compile per input dtype)."""
-    return jnp.asarray(np.asarray(logits).astype(np.float64))
+# ------------------------------------------------------- the op against the reference
 
 
 def _op_with_vjp(logits, targets, keep_mask, g_log_prob, g_entropy, *, temperature,
@@ -145,61 +127,6 @@ def _op_with_vjp(logits, targets, keep_mask, g_log_prob, g_entropy, *, temperatu
 # targets are traced: the eager-only range check does not run (see the eager tests).
 op_with_vjp_jit = jax.jit(_op_with_vjp, static_argnames=(
     "temperature", "with_entropy", "entropy_grad", "implementation", "pallas_config"))
-
-
-def value_bound(logits, temperature):
-    """SPEC §8 per-row bound 1e-5 * max(1, max_j |x|), over the finite x."""
-    x = np.asarray(logits).astype(np.float64) / temperature
-    finite = np.where(np.isfinite(x), np.abs(x), 0.0)
-    return VALUE_RTOL * np.maximum(1.0, finite.max(axis=-1, initial=0.0))
-
-
-def assert_values_close(name, got, want, bound):
-    got = np.asarray(got).astype(np.float64)
-    want = np.asarray(want, np.float64)
-    assert got.shape == want.shape, f"{name}: shape {got.shape}, expected {want.shape}"
-    assert np.all(np.isfinite(want)), f"{name}: the reference itself is not finite"
-    nonfinite = ~np.isfinite(got)
-    assert not nonfinite.any(), (
-        f"{name}: non-finite at rows {np.argwhere(nonfinite)[:5].tolist()}")
-    err = np.abs(got - want)
-    bad = ~(err <= bound)
-    if bad.any():
-        worst = np.unravel_index(np.argmax(err / bound), err.shape)
-        raise AssertionError(
-            f"{name}: {int(bad.sum())} of {bad.size} rows exceed the bound; worst row "
-            f"{tuple(int(i) for i in worst)}: got {got[worst]!r}, want {want[worst]!r}, "
-            f"|err| {err[worst]:.3g} > bound {np.broadcast_to(bound, err.shape)[worst]:.3g}")
-
-
-def grad_rtol(dtype, max_abs_x=0.0):
-    return GRAD_RTOL[jnp.dtype(dtype)] + GRAD_RTOL[jnp.dtype(F32)] * max(
-        0.0, max_abs_x / X_RANGE - 1.0)
-
-
-def largest_abs_x(logits, temperature):
-    x = np.asarray(logits).astype(np.float64) / temperature
-    return float(np.abs(x[np.isfinite(x)]).max(initial=0.0))
-
-
-def assert_grad_close(grad, grad64, dtype, floor=0.0, max_abs_x=0.0):
-    """||g - g64|| <= grad_rtol(dtype, max|x|) * max(||g64||, floor).
-
-    `floor` (about the cotangents' size / temperature) only matters where the exact
-    gradient is ~0, e.g. V = 1, where plain fp32 rounding of g_lp - g_lp is all there is.
-    """
-    assert grad.dtype == jnp.dtype(dtype), f"gradient dtype {grad.dtype}, logits are {dtype}"
-    assert grad.shape == grad64.shape, f"gradient shape {grad.shape}, expected {grad64.shape}"
-    got = np.asarray(grad).astype(np.float64)
-    want = np.asarray(grad64, np.float64)
-    assert np.all(np.isfinite(want)), "the reference gradient itself is not finite"
-    nonfinite = ~np.isfinite(got)
-    assert not nonfinite.any(), f"non-finite gradient at {np.argwhere(nonfinite)[:5].tolist()}"
-    err, norm = np.linalg.norm(got - want), np.linalg.norm(want)
-    rtol = grad_rtol(dtype, max_abs_x)
-    assert err <= rtol * max(norm, floor), (
-        f"gradient ||g - g64|| / ||g64|| = {err / max(norm, 1e-300):.3g} > {rtol:g} "
-        f"(||g64|| = {norm:.3g}, max |g - g64| = {np.max(np.abs(got - want), initial=0):.3g})")
 
 
 class Outputs(NamedTuple):
@@ -311,16 +238,35 @@ def test_dtypes_and_flags(implementation, dtype, with_entropy, entropy_grad):
                             entropy_grad=entropy_grad, implementation=implementation, seed=1)
 
 
-# Default Pallas tiles: 4096 columns for fp32, 8192 for 16-bit logits.
-# (implementation, lead shape, V, dtype, mask kind, Pallas block_v or None)
+def pallas_tiles(num_vocab, dtype, mask, block_v=None):
+    """(full tiles, partial tail, tile size) of a Pallas kernel's walk over V: the
+    tuned default tile (pallas_config.with_tuned_defaults: 2048 columns, 1024 with a
+    mask, for every dtype) unless `block_v` is given."""
+    block = with_tuned_defaults(jaxops.PallasConfig(block_v=block_v), num_vocab,
+                                masked=mask is not None, itemsize=jnp.dtype(dtype).itemsize)
+    return (*divmod(num_vocab, block.block_v), block.block_v)
+
+
+def tile_case_id(implementation, lead, num_vocab, dtype, mask, block_v):
+    """e.g. "pallas-8229-bfloat16-mask_random-8x1024+37": 8 full tiles of 1024, a tail of 37."""
+    case_id = f"{implementation}-{num_vocab}-{dtype_id(dtype)}-mask_{mask}"
+    if implementation != "pallas":
+        return case_id
+    full, tail, block = pallas_tiles(num_vocab, dtype, mask, block_v)
+    return f"{case_id}-{full}x{block}" + (f"+{tail}" if tail else "")
+
+
+# (implementation, lead shape, V, dtype, mask kind, Pallas block_v or None = the default)
+_CPU_TILE_CASES = [
+    ("pallas", (2,), 4096 + 37, F32, None, None),  # full default tiles and a tail
+    ("pallas", (2,), 8192, F32, "random", None),  # an exact multiple of the tile
+    ("pallas", (2,), 8192 + 37, BF16, "random", None),  # full tiles and a tail, masked
+    ("pallas", (3,), 513, F32, "mixed", 128),  # small explicit tiles, a tail of 1
+    ("pallas", (3,), 512, BF16, "random", 128),  # small explicit tiles, no tail
+    ("xla", (2,), 4096 + 37, F32, "random", None),
+]
 TILE_CASES = [
-    pytest.param("pallas", (2,), 4096 + 37, F32, None, None, id="pallas-4133-f32-full+tail"),
-    pytest.param("pallas", (2,), 8192, F32, "random", None, id="pallas-8192-f32-2tiles"),
-    pytest.param("pallas", (2,), 8192 + 37, BF16, "random", None,
-                 id="pallas-8229-bf16-full+tail"),
-    pytest.param("pallas", (3,), 513, F32, "mixed", 128, id="pallas-513-block128-4tiles+1"),
-    pytest.param("pallas", (3,), 512, BF16, "random", 128, id="pallas-512-block128-4tiles"),
-    pytest.param("xla", (2,), 4096 + 37, F32, "random", None, id="xla-4133-f32"),
+    *[pytest.param(*case, id=tile_case_id(*case)) for case in _CPU_TILE_CASES],
     # Production sizes: only where Pallas is compiled for real.
     *[pytest.param(impl, lead, v, dtype, mask, None, marks=pytest.mark.gpu,
                    id=f"gpu-{impl}-{lead[0]}x{v}-{dtype_id(dtype)}-mask_{mask}")
@@ -330,9 +276,21 @@ TILE_CASES = [
 ]
 
 
+def test_tile_cases_walk_several_full_tiles():
+    """The default-tile Pallas cases of test_vocab_tiles walk several full tiles, with
+    and without a partial tail, unmasked and masked: still true if the tuned tile size
+    changes (their ids are computed from it)."""
+    walks = [(mask is not None, *pallas_tiles(v, dtype, mask)[:2])
+             for impl, _, v, dtype, mask, block_v in _CPU_TILE_CASES
+             if impl == "pallas" and block_v is None]
+    assert any(full >= 2 and tail for masked, full, tail in walks if not masked), walks
+    assert any(full >= 2 and tail for masked, full, tail in walks if masked), walks
+    assert any(full >= 2 and not tail for _, full, tail in walks), walks
+
+
 @pytest.mark.parametrize("implementation,lead,num_vocab,dtype,mask,block_v", TILE_CASES)
 def test_vocab_tiles(implementation, lead, num_vocab, dtype, mask, block_v):
-    """V over one tile, an exact multiple of the tile, and small explicit tiles."""
+    """V over several tiles, with and without a partial tail, and small explicit tiles."""
     logits, targets, keep_mask = make_inputs(2, lead, num_vocab, dtype, mask=mask, scale=5.0)
     config = interpret_config(block_v=block_v) if block_v else None
     check_against_reference(logits, targets, keep_mask=keep_mask, temperature=0.9,
@@ -405,15 +363,14 @@ def test_kernel_variants(variant, num_vocab, dtype):
 ])
 def test_tuned_defaults(itemsize, masked, with_entropy, backward, expected):
     """The defaults benchmarks/NOTES.md documents (tuning log steps 3-7); explicit fields win."""
-    from jaxops.pallas_gpu import _resolve
-
-    resolved = _resolve(jaxops.PallasConfig(), 151_936, masked=masked, itemsize=itemsize,
-                        with_entropy=with_entropy, backward=backward)
+    resolved = with_tuned_defaults(jaxops.PallasConfig(), 151_936, masked=masked,
+                                   itemsize=itemsize, with_entropy=with_entropy,
+                                   backward=backward)
     assert {k: getattr(resolved, k) for k in expected} == expected
     assert (resolved.num_warps, resolved.num_stages) == (4, 2)
-    explicit = _resolve(jaxops.PallasConfig(block_v=512, prefetch=False, scalar_sums=False),
-                        151_936, masked=masked, itemsize=itemsize, with_entropy=with_entropy,
-                        backward=backward)
+    explicit = with_tuned_defaults(
+        jaxops.PallasConfig(block_v=512, prefetch=False, scalar_sums=False), 151_936,
+        masked=masked, itemsize=itemsize, with_entropy=with_entropy, backward=backward)
     assert (explicit.block_v, explicit.prefetch, explicit.scalar_sums) == (512, False, False)
 
 
@@ -484,7 +441,7 @@ def test_mask_keeps_only_the_target(implementation, mask):
         logits, targets, keep_mask, g_lp, None, temperature=BASE_TAU, with_entropy=False,
         entropy_grad=True, implementation=implementation)
     assert entropy is None
-    limit = GRAD_RTOL[jnp.dtype(F32)] * np.abs(np.asarray(g_lp))[:, None] / BASE_TAU
+    limit = grad_rtol(F32) * np.abs(np.asarray(g_lp))[:, None] / BASE_TAU
     assert np.all(np.abs(np.asarray(grad)) <= limit), np.abs(np.asarray(grad)).max(axis=-1)
 
 
@@ -571,6 +528,42 @@ def test_kept_logits_far_below_the_row_max(implementation, dtype):
                       np.abs(np.asarray(logits).astype(np.float64)) / BASE_TAU, 0)
     assert_values_close("masked log_prob", out.log_prob, lp64,
                         VALUE_RTOL * np.maximum(1.0, kept_x.max(axis=-1)))
+
+
+@pytest.mark.parametrize("dtype", (F32, BF16), ids=dtype_id)
+def test_masked_max_is_the_reference_point_of_the_masked_sum(dtype):
+    """`LocalStats.masked_max` (contract.py): the reference point r of masked_sum_exp,
+    the kept max or the row max. Pallas returns the row max where the masked sum shares
+    the row's exponentials and the kept max after its exact pass; r + log(masked_sum_exp)
+    is the masked log-normaliser either way (here against XLA, which uses the kept max)."""
+    from jaxops import implementations
+
+    logits, targets, keep_mask = make_inputs(12, (4,), BASE_V, dtype, mask="random")
+    # Rows 0, 1: an unkept max 2 above the others: the kept mass is large, shared path.
+    # Rows 2, 3: an unkept max of 1e4: the kept terms underflow, exact pass.
+    unkept = ~np.asarray(keep_mask) & (np.arange(BASE_V) != np.asarray(targets)[:, None])
+    high = np.asarray(logits, np.float32).copy()
+    for row, value in ((0, 2.0 + high[0].max()), (1, 2.0 + high[1].max()), (2, 1e4), (3, 1e4)):
+        high[row, np.argmax(unkept[row])] = value
+    logits = jnp.asarray(high, dtype)
+    local_targets = targets.astype(jnp.int32)
+
+    def stats(name, config=None):
+        return implementations.kernels(name).forward_stats(
+            logits, local_targets, keep_mask, inv_tau=1 / BASE_TAU, with_entropy=True,
+            config=config)
+
+    pallas, xla = stats("pallas", interpret_config(block_v=128)), stats("xla")
+    row_max, masked_max = np.asarray(pallas.max_logit), np.asarray(pallas.masked_max)
+    kept_max = np.asarray(xla.masked_max)
+    np.testing.assert_array_equal(row_max, np.asarray(xla.max_logit))
+    assert np.all(kept_max < row_max - 1.0)  # no row keeps its max
+    np.testing.assert_array_equal(masked_max[:2], row_max[:2])  # shared: the row max
+    np.testing.assert_allclose(masked_max[2:], kept_max[2:], rtol=1e-6)  # exact pass
+    assert np.all(masked_max[2:] < row_max[2:] - 1e3)
+    normaliser = masked_max + np.log(np.asarray(pallas.masked_sum_exp))
+    want = kept_max + np.log(np.asarray(xla.masked_sum_exp))
+    np.testing.assert_allclose(normaliser, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
 # --------------------------------------------------------------- bad calls, targets
@@ -722,6 +715,36 @@ def test_default_implementation():
         np.testing.assert_array_equal(got, want)
 
 
+def test_one_dispatch_policy():
+    """`implementations.resolve`: the default per platform, interpret mode off-GPU only."""
+    from jaxops.implementations import resolve
+
+    tuned = jaxops.PallasConfig(block_v=256)
+    assert resolve(None, "cpu") == ("xla", None)
+    assert resolve(None, "gpu") == ("pallas", jaxops.PallasConfig())
+    assert resolve("pallas", "cuda", tuned) == ("pallas", tuned)
+    assert resolve("pallas", "cpu", tuned) == ("pallas", jaxops.PallasConfig(block_v=256,
+                                                                             interpret=True))
+    assert resolve("xla", "gpu", tuned) == ("xla", None)
+    assert resolve("reference", "cpu") == ("reference", None)
+    assert resolve(None) == (jaxops.default_implementation(), resolve(None)[1])
+    with pytest.raises(ValueError, match="implementation"):
+        resolve("cuda", "gpu")
+
+
+def test_import_does_not_load_the_triton_lowering():
+    """Pallas's Triton lowering is imported with the "pallas" implementation, not before."""
+    code = ("import sys, jaxops; "
+            "print(sorted(m for m in sys.modules if 'pallas.triton' in m or "
+            "m == 'jaxops.pallas_gpu'))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, env=env, cwd=root)
+    assert done.stdout.strip() == "[]", done.stdout
+
+
 @pytest.mark.parametrize("implementation", FAST)
 def test_without_x64(implementation):
     """The op as most callers run it: jax_enable_x64 off, int32 targets."""
@@ -738,15 +761,15 @@ def test_without_x64(implementation):
 
 
 def run_staged(logits, targets, keep_mask, num_shards, *, temperature, with_entropy,
-               entropy_grad, backend, g_lp, g_h):
+               entropy_grad, implementation, g_lp, g_h):
     """The staged protocol with `num_shards` vocabulary slices in one process."""
     num_vocab = logits.shape[-1] // num_shards
-    config = interpret_config() if backend == "pallas" else ()
+    config = interpret_config() if implementation == "pallas" else None
     cols = [slice(r * num_vocab, (r + 1) * num_vocab) for r in range(num_shards)]
     shard_logits = [logits[:, c] for c in cols]
     shard_masks = [None if keep_mask is None else keep_mask[:, c] for c in cols]
-    common = dict(inv_tau=1.0 / temperature, with_entropy=with_entropy, backend=backend,
-                  config=config)
+    common = dict(inv_tau=1.0 / temperature, with_entropy=with_entropy,
+                  implementation=implementation, config=config)
     packed = [staged.local_forward(shard_logits[r], targets, shard_masks[r], r, **common)
               for r in range(num_shards)]
     num_rows = staged.num_packed(with_entropy, keep_mask is not None)
@@ -775,35 +798,36 @@ def staged_inputs(mask, dtype=F32):
     return logits, targets, keep_mask
 
 
-def check_staged(backend, num_shards, mask, with_entropy=True, entropy_grad=True, dtype=F32):
+def check_staged(implementation, num_shards, mask, with_entropy=True, entropy_grad=True,
+                 dtype=F32):
     logits, targets, keep_mask = staged_inputs(mask, dtype)
     g_lp, g_h = random_cotangents(16, BASE_LEAD)
     outputs = run_staged(logits, targets, keep_mask, num_shards, temperature=BASE_TAU,
                          with_entropy=with_entropy, entropy_grad=entropy_grad,
-                         backend=backend, g_lp=g_lp, g_h=g_h)
+                         implementation=implementation, g_lp=g_lp, g_h=g_h)
     assert_matches_reference(logits, targets, keep_mask, BASE_TAU, *outputs, g_lp, g_h,
                              with_entropy=with_entropy, entropy_grad=entropy_grad)
 
 
-STAGED_BACKENDS = [
+STAGED_IMPLEMENTATIONS = [
     "xla",
     # Interpreted Pallas is slow: on CPU, test_staged_pallas covers it at 4 shards.
     pytest.param("pallas", marks=pytest.mark.gpu),
 ]
 
 
-@pytest.mark.parametrize("backend", STAGED_BACKENDS)
+@pytest.mark.parametrize("implementation", STAGED_IMPLEMENTATIONS)
 @pytest.mark.parametrize("num_shards", [1, 2, 4])
 @pytest.mark.parametrize("mask", [None, "mixed", "first_quarter"])
-def test_staged(backend, num_shards, mask):
-    check_staged(backend, num_shards, mask)
+def test_staged(implementation, num_shards, mask):
+    check_staged(implementation, num_shards, mask)
 
 
-@pytest.mark.parametrize("backend", STAGED_BACKENDS)
+@pytest.mark.parametrize("implementation", STAGED_IMPLEMENTATIONS)
 @pytest.mark.parametrize("num_shards", [2, 4])
 @pytest.mark.parametrize("with_entropy,entropy_grad", FLAGS[1:], ids=FLAG_IDS[1:])
-def test_staged_flags(backend, num_shards, with_entropy, entropy_grad):
-    check_staged(backend, num_shards, "mixed", with_entropy, entropy_grad)
+def test_staged_flags(implementation, num_shards, with_entropy, entropy_grad):
+    check_staged(implementation, num_shards, "mixed", with_entropy, entropy_grad)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)

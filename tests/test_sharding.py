@@ -24,7 +24,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxops
-from jaxops.stats import varying_axes, varying_struct
+from jaxops.contract import varying_axes, varying_struct
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "_sharding_worker.py"

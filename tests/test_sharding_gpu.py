@@ -24,9 +24,9 @@ from _sharding_cases import (
     check_against_references,
     collectives,
     config_inputs,
+    expected64,
     make_datasets,
     mesh_1d,
-    reference64,
     run_all_configs,
     sharded_fn,
     value_and_vjp,
@@ -43,7 +43,7 @@ IMPLEMENTATIONS = ("pallas", "xla")
 @pytest.fixture(scope="module")
 def cases():
     datasets = make_datasets(SHAPE, VOCAB)
-    references = [{name: reference64(d, cfg) for name, cfg in CONFIGS.items()}
+    references = [{name: expected64(d, cfg) for name, cfg in CONFIGS.items()}
                   for d in datasets]
     unsharded = {impl: run_all_configs("plain_jit", impl, None, datasets, CONFIGS)
                  for impl in IMPLEMENTATIONS}

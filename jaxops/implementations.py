@@ -1,0 +1,72 @@
+"""The implementations of the op, by name, and the one policy for choosing and configuring one.
+
+  "pallas"     Pallas kernels (`pallas_gpu.py`): compiled for the GPU, run in interpret
+               mode elsewhere (slow; for tests).
+  "xla"        the same statistics in fused `jnp` (`xla.py`): the CPU path.
+  "reference"  the executable definition (`reference.py`), unsharded; no statistics.
+
+The statistics modules are imported on first use (`kernels`), so that `import jaxops`
+does not load Pallas's Triton lowering.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from types import ModuleType
+
+from jaxops.pallas_config import PallasConfig
+
+IMPLEMENTATIONS = ("pallas", "xla", "reference")
+# The implementations that compute per-shard statistics: name -> module providing
+# `forward_stats` and `backward_logits` (see `contract.py`).
+_KERNEL_MODULES = {"pallas": "jaxops.pallas_gpu", "xla": "jaxops.xla"}
+_GPU_PLATFORMS = ("gpu", "cuda")
+
+
+def _platform(platform: str | None) -> str:
+    if platform is None:
+        import jax
+
+        return jax.default_backend()
+    return platform
+
+
+def default(platform: str | None = None) -> str:
+    """"pallas" on a GPU, else "xla". `platform`: "gpu"/"cuda" or another JAX platform
+    name ("cpu", ...); None: JAX's default backend."""
+    return "pallas" if _platform(platform) in _GPU_PLATFORMS else "xla"
+
+
+def resolve(implementation: str | None, platform: str | None = None,
+            pallas_config: PallasConfig | None = None) -> tuple[str, PallasConfig | None]:
+    """(implementation name, its launch config) for a call on `platform`.
+
+    `implementation`: None (the `default` for the platform) or one of IMPLEMENTATIONS;
+    anything else raises ValueError. `platform` as for `default`. For "pallas" the
+    config is `pallas_config` (or the defaults) with interpret mode switched on off-GPU,
+    where the kernels cannot be compiled; the other implementations take no config
+    (None).
+    """
+    if implementation not in (None, *IMPLEMENTATIONS):
+        raise ValueError(
+            f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
+    platform = _platform(platform)
+    name = implementation or default(platform)
+    if name != "pallas":
+        return name, None
+    config = pallas_config or PallasConfig()
+    if platform not in _GPU_PLATFORMS and not config.interpret:
+        config = dataclasses.replace(config, interpret=True)
+    return name, config
+
+
+def kernels(implementation: str) -> ModuleType:
+    """The module computing `implementation`'s shard statistics (imported on first use)."""
+    try:
+        module = _KERNEL_MODULES[implementation]
+    except KeyError:
+        raise ValueError(
+            f"implementation {implementation!r} has no shard statistics; one of "
+            f"{tuple(_KERNEL_MODULES)}") from None
+    return importlib.import_module(module)

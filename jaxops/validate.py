@@ -1,0 +1,114 @@
+"""Argument checks shared by `api.logprob_entropy` and `sharding.vocab_parallel_logprob_entropy`.
+
+Everything that can be checked before any kernel runs raises TypeError / ValueError
+naming the argument. Only the range check of `targets` looks at values, and only in
+eager calls (inside `jit` the values are unknown; a bad target gives NaN in its row).
+"""
+
+from __future__ import annotations
+
+import numbers
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def is_tracer(x) -> bool:
+    return isinstance(x, jax.core.Tracer)
+
+
+def check_array(name, x):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+
+
+def check_inputs(logits, targets, keep_mask, implementation: str):
+    """Types, dtypes and shapes of the arrays: `logits [..., V]` (V >= 1) in a dtype
+    `implementation` takes, integer `targets [...]`, bool `keep_mask [..., V]` or None."""
+    check_array("logits", logits)
+    check_array("targets", targets)
+    allowed = _KERNEL_DTYPES + ((jnp.float64,) if implementation == "reference" else ())
+    if logits.ndim < 1 or logits.shape[-1] < 1:
+        raise ValueError(f"logits must have shape [..., V] with V >= 1, got {logits.shape}")
+    if jnp.dtype(logits.dtype) not in [jnp.dtype(d) for d in allowed]:
+        raise TypeError(
+            f"logits must be one of {[jnp.dtype(d).name for d in allowed]} for "
+            f"implementation {implementation!r}, got {jnp.dtype(logits.dtype).name}")
+    if not jnp.issubdtype(targets.dtype, jnp.integer):
+        raise TypeError(f"targets must hold integer ids, got dtype {jnp.dtype(targets.dtype).name}")
+    if tuple(targets.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"targets must have shape logits.shape[:-1] = {tuple(logits.shape[:-1])}, "
+            f"got {tuple(targets.shape)}")
+    if keep_mask is not None:
+        check_array("keep_mask", keep_mask)
+        if jnp.dtype(keep_mask.dtype) != jnp.dtype(jnp.bool_):
+            raise TypeError(f"keep_mask must be bool, got dtype {jnp.dtype(keep_mask.dtype).name}")
+        if tuple(keep_mask.shape) != tuple(logits.shape):
+            raise ValueError(
+                f"keep_mask must have the logits' shape {tuple(logits.shape)}, "
+                f"got {tuple(keep_mask.shape)}")
+
+
+def check_flags(**flags):
+    for name, flag in flags.items():
+        if not isinstance(flag, (bool, np.bool_)):
+            raise TypeError(f"{name} must be a bool, got {flag!r}")
+
+
+def check_temperature(temperature) -> float:
+    if is_tracer(temperature):
+        raise TypeError(
+            "temperature must be a concrete number (it is baked into the kernel); "
+            "got a traced value. Pass it as a static Python float.")
+    if isinstance(temperature, bool) or not (
+            isinstance(temperature, numbers.Real)
+            or (hasattr(temperature, "shape") and np.shape(temperature) == ())):
+        raise TypeError(f"temperature must be a real number, got {temperature!r}")
+    value = float(temperature)
+    if not (np.isfinite(value) and value > 0):
+        raise ValueError(f"temperature must be finite and > 0, got {value}")
+    return value
+
+
+def check_same_device(logits, targets):
+    """Single-device, committed arrays on different devices: a user error, not a silent copy."""
+    if is_tracer(logits) or is_tracer(targets):
+        return
+    if not (isinstance(logits, jax.Array) and isinstance(targets, jax.Array)):
+        return
+    if not (getattr(logits, "committed", False) and getattr(targets, "committed", False)):
+        return
+    if len(logits.devices()) == 1 and logits.devices() != targets.devices():
+        raise ValueError(
+            f"logits are on {logits.devices()} but targets on {targets.devices()}; "
+            "put them on the same device")
+
+
+def check_targets_in_range(targets, num_vocab):
+    """Eager calls only: inside jit an out-of-range target gives NaN in its row.
+
+    For a global array spread over several processes, each process checks the shards
+    it holds."""
+    if is_tracer(targets):
+        return
+    parts = [targets]
+    if isinstance(targets, jax.Array) and not targets.is_fully_addressable:
+        parts = [shard.data for shard in targets.addressable_shards]
+    for part in parts:
+        _check_values_in_range(np.asarray(part), num_vocab)
+
+
+def _check_values_in_range(host, num_vocab):
+    bad = (host < 0) | (host >= num_vocab)
+    if bad.any():
+        rows = np.argwhere(bad)[:5]
+        shown = ", ".join(
+            f"{tuple(int(i) for i in r) if len(r) > 1 else int(r[0])}: {host[tuple(r)]}"
+            for r in rows)
+        raise ValueError(
+            f"targets must lie in [0, {num_vocab}); {int(bad.sum())} row(s) do not "
+            f"(row: value) {shown}")

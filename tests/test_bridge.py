@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 import torch
 
@@ -99,6 +100,64 @@ def test_pallas_interpret_matches_xla():
         outs[impl] = (lp, h, g)
     for a, b in zip(outs["xla"], outs["pallas"]):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
+
+
+# ---------------------------------------------------------------------------
+# any T: row windows, bounded compiles
+# ---------------------------------------------------------------------------
+
+def test_row_windows_cover_every_row_once():
+    from bridge._windows import MAX_WINDOW, row_windows
+
+    for T in [*range(1, 600), 2**15 - 1, 2**15, 2**15 + 1, 3 * 2**15 + 12345, 100_003]:
+        for align in (1, 4):
+            windows = row_windows(T, align)
+            new_rows = torch.zeros(T, dtype=torch.int64)
+            for w in windows:
+                assert 0 <= w.start and w.start + w.size <= T and 0 <= w.skip < w.size
+                new_rows[w.start + w.skip:w.start + w.size] += 1
+                if T % align == 0:
+                    assert w.size & (w.size - 1) == 0 and w.size <= MAX_WINDOW
+                    assert w.start % align == 0, (T, align, windows)
+            assert bool((new_rows == 1).all()), (T, align, windows)
+            extra = sum(w.size for w in windows) - T
+            assert extra <= T / 7, (T, windows)
+    assert row_windows(7, 4) == ((0, 7, 0),)  # T not a multiple of the alignment: exact
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_varying_t_matches_one_call_and_compiles_a_bounded_set(masked):
+    """T changes every call (random in [1, 200]): each call equals the JAX op on the same
+    rows in one call, and the bridge compiles at most one program per power-of-two
+    window size for the forward and the backward."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxops
+
+    V = 64  # rows of 64 fp32 (and 64 mask bytes) keep every window start aligned
+    gen = torch.Generator().manual_seed(3)
+    before = _jaxfns.compiled_programs()
+    for T in torch.randint(1, 201, (25,), generator=gen).tolist():
+        x = (torch.randn(T, V, generator=gen) * 3).requires_grad_()
+        y = torch.randint(0, V, (T,), generator=gen)
+        mask = torch.rand(T, V, generator=gen) < 0.3 if masked else None
+        g1, g2 = torch.randn(T, generator=gen), torch.randn(T, generator=gen)
+        lp, h = bridge.logprob_entropy(x, y, keep_mask=mask, temperature=0.7)
+        (g,) = torch.autograd.grad([lp, h], x, [g1, g2])
+
+        def op(z):
+            return jaxops.logprob_entropy(
+                z, jnp.asarray(y.numpy()), temperature=0.7, implementation="xla",
+                keep_mask=None if mask is None else jnp.asarray(mask.numpy()))
+
+        (lp_j, h_j), vjp = jax.vjp(op, jnp.asarray(x.detach().numpy()))
+        (g_j,) = vjp((jnp.asarray(g1.numpy()), jnp.asarray(g2.numpy())))
+        for got, want in ((lp, lp_j), (h, h_j), (g, g_j)):
+            np.testing.assert_allclose(got.detach().numpy(), np.asarray(want),
+                                       rtol=1e-6, atol=1e-6, err_msg=f"T = {T}")
+    compiled = _jaxfns.compiled_programs() - before
+    assert compiled <= 2 * 8, f"{compiled} programs for 25 calls with T in [1, 200]"
 
 
 # ---------------------------------------------------------------------------

@@ -1,0 +1,323 @@
+"""A PPO loop on a small vocab-parallel transformer policy, through the JAX bridge, checked
+at every step against the same loop computed with Megatron-core's fused cross-entropy.
+
+    python examples/torch_ppo_loop.py [--tp N] [--steps 50] [--max-tokens T] [--vocab V]
+                                      [--device cpu|cuda] [--bug grad-scale]
+
+N tensor-parallel ranks (CPU: gloo; CUDA: NCCL, one GPU per rank) each hold the whole
+trunk (embedding, two transformer layers) and their vocabulary shard of the output layer,
+as in Megatron's column-parallel LM head. Every micro-batch packs a different number of
+response tokens T (uniform in [1, max-tokens], the first one the largest: token-budget
+packing), and runs
+
+    logits = hidden @ W_r^T / temperature                      # [T, V/N], this rank's shard
+    log_prob, entropy = bridge.calculate_log_probs_and_entropy(
+        logits, tokens, tp_group, with_entropy=True)           # slime's signature
+    loss = -mean(min(ratio A, clip(ratio, 1 - eps, 1 + eps) A)) - beta * mean(entropy)
+
+then the optimizer step with the bridge's gradients. At every step, on every rank, the
+gradients of all model parameters are compared with the same loss computed by
+  * float64 torch (the full vocabulary gathered): relative error <= 1e-5, and
+  * Megatron's `fused_vocab_parallel_cross_entropy` for the log-prob (which rounds its
+    gradient to bf16) + the float64 entropy: relative error <= 4e-3, one bf16 rounding.
+Also checked: the bridge's compiled programs stay within one per power-of-two row window
+(forward and backward) and, on CUDA, no host synchronisation in the bridge's forward and
+backward (torch's sync debug mode) and torch + JAX reserved memory does not grow after the
+first steps.
+
+Prints a line per step and a final "PPO loop OK" or "PPO loop MISMATCH"; exits non-zero on
+a mismatch. `--bug grad-scale` scales the bridge's gradient by 1 + 5e-4 (the checks fail).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import os
+import pathlib
+import socket
+import sys
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run from a checkout without installing it
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+
+HIDDEN, LAYERS, HEADS = 64, 2, 4
+TEMPERATURE, CLIP, ENTROPY_COEF = 0.8, 0.2, 0.01
+WARMUP_STEPS = 10  # memory may grow while the first window sizes are compiled
+MEMORY_SLACK = 1.05
+BUG_SIZE = 5e-4
+
+
+class CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward, all-reduce of the gradient backward (Megatron's
+    copy_to_tensor_model_parallel_region): every rank's head shard adds its part of
+    d hidden."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class Policy(torch.nn.Module):
+    """Embedding + causal transformer trunk (replicated) + this rank's LM-head shard."""
+
+    def __init__(self, vocab, max_len, rank, world):
+        super().__init__()
+        gen = torch.Generator().manual_seed(1234)  # the same model on every rank
+        self.embed = torch.nn.Embedding(vocab, HIDDEN)
+        self.pos = torch.nn.Embedding(max_len, HIDDEN)
+        self.layers = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(HIDDEN, HEADS, 4 * HIDDEN, dropout=0.0,
+                                             batch_first=True, norm_first=True)
+            for _ in range(LAYERS))
+        self.norm = torch.nn.LayerNorm(HIDDEN)
+        head = torch.randn(vocab, HIDDEN, generator=gen) / HIDDEN**0.5 * 4
+        v_loc = vocab // world
+        self.head = torch.nn.Parameter(head[rank * v_loc:(rank + 1) * v_loc].clone())
+        with torch.no_grad():
+            for p in list(self.embed.parameters()) + list(self.pos.parameters()) + \
+                    list(self.layers.parameters()) + list(self.norm.parameters()):
+                if p.dim() > 1:
+                    p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+
+    def hidden(self, tokens):
+        """tokens [T + 1] -> hidden states [T, H] predicting tokens[1:]."""
+        x = tokens[:-1]
+        positions = torch.arange(len(x), device=x.device)
+        h = (self.embed(x) + self.pos(positions))[None]
+        causal = torch.nn.Transformer.generate_square_subsequent_mask(len(x), device=x.device)
+        for layer in self.layers:
+            h = layer(h, src_mask=causal, is_causal=True)
+        return self.norm(h[0])
+
+
+class GatherVocab(torch.autograd.Function):
+    """All ranks' logit shards side by side, [T, V]. Every rank then computes the same
+    loss from them, so the backward keeps this rank's columns of the gradient (a summing
+    all-gather backward, as torch.distributed.nn's, would count every rank's copy)."""
+
+    @staticmethod
+    def forward(ctx, local, group):
+        world, rank = dist.get_world_size(group), dist.get_rank(group)
+        pieces = [torch.empty_like(local) for _ in range(world)]
+        dist.all_gather(pieces, local.contiguous(), group=group)
+        ctx.cols = slice(rank * local.shape[1], (rank + 1) * local.shape[1])
+        return torch.cat(pieces, dim=1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[:, ctx.cols], None
+
+
+def ppo_loss(log_prob, entropy, old_log_prob, advantages):
+    ratio = torch.exp(log_prob.double() - old_log_prob)
+    clipped = torch.clamp(ratio, 1 - CLIP, 1 + CLIP)
+    policy = -torch.minimum(ratio * advantages, clipped * advantages).mean()
+    return policy - ENTROPY_COEF * entropy.double().mean()
+
+
+def flat(grads):
+    return torch.cat([g.reshape(-1).double() for g in grads])
+
+
+def rel_l2(a, b):
+    return ((a - b).norm() / b.norm()).item()
+
+
+def micro_batches(args):
+    """(T, tokens [T + 1], advantages [T]) per step: the same on every rank."""
+    gen = torch.Generator().manual_seed(args.seed)
+    sizes = torch.randint(1, args.max_tokens + 1, (args.steps,), generator=gen).tolist()
+    sizes[0] = args.max_tokens  # the largest first, as token-budget packing often does
+    for T in sizes:
+        tokens = torch.randint(0, args.vocab, (T + 1,), generator=gen)
+        yield T, tokens, torch.randn(T, generator=gen, dtype=torch.float64)
+
+
+def run_rank(rank, world, device, args):
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex.*")
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*is deprecated")
+    import bridge  # before anything starts JAX (GPU memory policy)
+    import megatron.core.jit as megatron_jit
+    from bridge import _jaxfns, _windows
+
+    megatron_jit.disable_jit_fuser()  # Megatron's fused CE, eager (same arithmetic)
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+    tp_group = dist.new_group(list(range(world)))
+    model = Policy(args.vocab, args.max_tokens + 1, rank, world).to(device)
+    params = [p for p in model.parameters()]
+    optimizer = torch.optim.Adam(params, lr=1e-3)
+    cuda = device.type == "cuda"
+    jax_device = bridge._dlpack.device(device).jax_device if cuda else None
+    # programs per power-of-two window size: forward and backward, + the combine after
+    # the all-gather when the vocabulary is split
+    bound = (2 if world == 1 else 3) * (max(args.max_tokens - 1, 1).bit_length() + 1)
+    compiled_before = _jaxfns.compiled_programs()
+    log, failures, reserved = [], [], []
+
+    for step, (T, tokens, advantages) in enumerate(micro_batches(args)):
+        tokens, advantages = tokens.to(device), advantages.to(device)
+        targets = tokens[1:]
+        hidden = CopyToTensorParallel.apply(model.hidden(tokens), tp_group)
+        logits = (hidden @ model.head.T) / TEMPERATURE  # [T, V_loc] fp32, as slime passes it
+        with torch.no_grad():  # the rollout's log-probs: a little off the current policy
+            full = GatherVocab.apply(logits.detach(), tp_group)
+            rollout = torch.log_softmax(full.double(), -1).gather(-1, targets[:, None])[:, 0]
+            old_log_prob = rollout + 0.1 * torch.randn_like(rollout)
+
+        # the bridge (the loop's own gradients)
+        if cuda:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            log_prob, entropy = bridge.calculate_log_probs_and_entropy(
+                logits, targets, tp_group, with_entropy=True)
+            loss = ppo_loss(log_prob[:, 0], entropy, old_log_prob, advantages)
+            grads = torch.autograd.grad(loss, [logits], retain_graph=True)[0]
+            if args.bug == "grad-scale":
+                grads = grads * (1 + BUG_SIZE)
+            g_bridge = torch.autograd.grad(logits, params, grads, retain_graph=True)
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+
+        # float64 reference and Megatron, on the same logits
+        full = GatherVocab.apply(logits, tp_group).double()
+        log_p = torch.log_softmax(full, -1)
+        lp64 = log_p.gather(-1, targets[:, None])[:, 0]
+        h64 = -(log_p.exp() * log_p).sum(-1)
+        g_ref = torch.autograd.grad(ppo_loss(lp64, h64, old_log_prob, advantages), params,
+                                    retain_graph=True)
+        lp_meg = -fused_vocab_parallel_cross_entropy(
+            logits.clone().unsqueeze(1), targets.unsqueeze(1), tp_group)[:, 0]
+        g_meg = torch.autograd.grad(ppo_loss(lp_meg, h64, old_log_prob, advantages), params)
+
+        err_ref = rel_l2(flat(g_bridge), flat(g_ref))
+        err_meg = rel_l2(flat(g_bridge), flat(g_meg))
+        compiled = _jaxfns.compiled_programs() - compiled_before
+        for p, g in zip(params, g_bridge):
+            p.grad = g
+        optimizer.step()
+        mem = None
+        if cuda:
+            stats = jax_device.memory_stats() or {}
+            mem = (torch.cuda.memory_reserved(device),
+                   stats.get("pool_bytes", stats.get("bytes_reserved", 0)))
+            reserved.append(mem)
+        windows = len(_windows.row_windows(T))
+        log.append((step, T, windows, float(loss.detach()), err_ref, err_meg, compiled, mem))
+        if err_ref > 1e-5:
+            failures.append(f"step {step} (T = {T}): d params vs float64 {err_ref:.2e} > 1e-5")
+        if err_meg > 4e-3:
+            failures.append(f"step {step} (T = {T}): d params vs Megatron {err_meg:.2e} > 4e-3")
+        if compiled > bound:
+            failures.append(f"step {step}: {compiled} programs compiled (bound {bound})")
+    if cuda:
+        settled = reserved[WARMUP_STEPS - 1]
+        for step, mem in enumerate(reserved[WARMUP_STEPS:], WARMUP_STEPS):
+            if mem[0] > MEMORY_SLACK * settled[0] or mem[1] > MEMORY_SLACK * settled[1] + 2**20:
+                failures.append(f"step {step}: reserved memory grew after warm-up: torch "
+                                f"{settled[0]} -> {mem[0]} B, JAX {settled[1]} -> {mem[1]} B")
+    return {"rank": rank, "log": log, "failures": failures}
+
+
+def worker(rank, world, port, args, queue):
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.set_device(rank)
+    torch.set_num_threads(1)
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=300))
+    try:
+        result = run_rank(rank, world, device, args)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, result)
+        if rank == 0:
+            queue.put(gathered)
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cuda = torch.cuda.is_available()
+    parser.add_argument("--tp", type=int, default=None,
+                        help="tensor-parallel ranks (default: 2 on CPU; on CUDA 2 with >= 2 "
+                             "GPUs, else 1)")
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--max-tokens", type=int, default=1024 if cuda else 128)
+    parser.add_argument("--vocab", type=int, default=8192 if cuda else 512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if cuda else "cpu")
+    parser.add_argument("--bug", choices=("grad-scale",), default=None)
+    args = parser.parse_args(argv)
+    if args.tp is None:
+        args.tp = (2 if torch.cuda.device_count() >= 2 else 1) if args.device == "cuda" else 2
+    if args.device == "cuda" and args.tp > torch.cuda.device_count():
+        parser.error(f"--tp {args.tp} needs {args.tp} GPUs, found {torch.cuda.device_count()}")
+    if args.vocab % args.tp:
+        parser.error(f"--vocab {args.vocab} is not divisible by --tp {args.tp}")
+    if args.device == "cuda" and args.steps <= WARMUP_STEPS:
+        parser.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps on CUDA")
+    if importlib.util.find_spec("megatron") is None:
+        print("this example compares against Megatron-core: pip install megatron-core")
+        return 2
+
+    start = time.perf_counter()
+    print(f"PPO loop: {args.steps} micro-batches of 1..{args.max_tokens} tokens, vocabulary "
+          f"{args.vocab} over TP = {args.tp} ({args.device})"
+          + (f"; injected bug: {args.bug}" if args.bug else ""), flush=True)
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    mp.start_processes(worker, args=(args.tp, free_port(), args, queue), nprocs=args.tp,
+                       join=True, start_method="spawn")
+    results = queue.get()
+    print(" step     T  windows      loss  d params vs f64  vs Megatron  programs"
+          + ("  torch/JAX reserved MiB" if args.device == "cuda" else ""))
+    for rows in zip(*(r["log"] for r in results)):
+        step, T, windows, loss, _, _, compiled, mem = rows[0]
+        err_ref = max(r[4] for r in rows)
+        err_meg = max(r[5] for r in rows)
+        line = (f"{step:5d} {T:5d} {windows:8d} {loss:9.4f} {err_ref:16.2e} {err_meg:12.2e} "
+                f"{compiled:9d}")
+        if mem is not None:
+            line += f"  {mem[0] / 2**20:10.0f} / {mem[1] / 2**20:.1f}"
+        print(line)
+    failures = [f for r in results for f in r["failures"]]
+    for f in failures[:20]:
+        print("  FAIL", f)
+    elapsed = time.perf_counter() - start
+    if failures:
+        print(f"PPO loop MISMATCH (TP = {args.tp}, {args.device}): {len(failures)} failed checks")
+        return 1
+    print(f"PPO loop OK: {args.steps} steps match float64 and Megatron (TP = {args.tp}, "
+          f"{args.device}) in {elapsed:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -110,22 +110,21 @@ def _start_jax_for(index: int) -> None:
     if _jax_started() or os.environ.get(_ALL_GPUS_ENV, "").lower() == "all":
         return
     try:
-        try:
-            current = jax.config.read("jax_cuda_visible_devices")
-        except Exception:
-            current = getattr(jax.config, "jax_cuda_visible_devices", "all")
+        current = jax.config.read("jax_cuda_visible_devices")
         if current == "all":
             jax.config.update("jax_cuda_visible_devices", str(index))
-    except Exception:  # pragma: no cover - option renamed/removed: JAX sees all GPUs
-        pass
+    except (AttributeError, KeyError, ValueError) as err:  # option renamed or removed
+        warnings.warn(
+            f"bridge: could not restrict JAX to GPU {index} ({err!r}); JAX will start on "
+            f"every visible GPU (a CUDA context on each). Set CUDA_VISIBLE_DEVICES per rank, "
+            f"or {_ALL_GPUS_ENV}=all to silence this.", RuntimeWarning, stacklevel=4)
 
 
 def _warn_if_preallocated(jax_device) -> None:
-    stats = None
     try:
         stats = jax_device.memory_stats()
-    except Exception:
-        pass
+    except (NotImplementedError, RuntimeError):  # no allocator statistics on this platform:
+        stats = None                              # judge by the environment variable below
     pool = (stats or {}).get("pool_bytes") or (stats or {}).get("bytes_reserved") or 0
     limit = (stats or {}).get("bytes_limit") or 0
     env = os.environ.get(_PREALLOC, "")
@@ -183,6 +182,10 @@ class _Device:
             self.alignment = 16  # XLA/Triton assume 16-byte aligned entry buffers
             self._event = torch.cuda.Event()
             self._ext_streams: dict = {}
+            self._streams: dict = {}  # raw stream pointer -> torch.cuda.Stream
+            self._index = index
+            self._raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+                lambda i: torch.cuda.current_stream(i).cuda_stream)
             # The C++ event methods guard the device themselves; torch.cuda.Event's
             # Python wrappers add a device context manager per call.
             base = torch._C._CudaEventBase
@@ -220,8 +223,14 @@ class _Device:
 
     # -- stream ordering ---------------------------------------------------------
     def _torch_stream(self):
-        """torch's current stream on this device (a torch.cuda.Stream)."""
-        return torch.cuda.current_stream(self.torch_device)
+        """torch's current stream on this device (a torch.cuda.Stream), looked up by its
+        raw pointer: `torch.cuda.current_stream` builds a new Python object per call,
+        which cost tens of microseconds of host time per bridge call."""
+        ptr = self._raw_stream(self._index)
+        stream = self._streams.get(ptr)
+        if stream is None:
+            stream = self._streams[ptr] = torch.cuda.current_stream(self.torch_device)
+        return stream
 
     @staticmethod
     def _dlpack_stream(stream) -> int:

@@ -22,8 +22,8 @@ gradients of all model parameters are compared with the same loss computed by
     gradient to bf16) + the float64 entropy: relative error <= 4e-3, one bf16 rounding.
 Also checked: the bridge's compiled programs stay within one per power-of-two row window
 (forward and backward) and, on CUDA, no host synchronisation in the bridge's forward and
-backward (torch's sync debug mode) and torch + JAX reserved memory does not grow after the
-first steps.
+backward (torch's sync debug mode), and after the first steps neither JAX's memory pool
+nor torch's live memory grows (torch's cache may take one more segment: at most +25%).
 
 Prints a line per step and a final "PPO loop OK" or "PPO loop MISMATCH"; exits non-zero on
 a mismatch. `--bug grad-scale` scales the bridge's gradient by 1 + 5e-4 (the checks fail).
@@ -51,7 +51,10 @@ import torch.multiprocessing as mp  # noqa: E402
 HIDDEN, LAYERS, HEADS = 64, 2, 4
 TEMPERATURE, CLIP, ENTROPY_COEF = 0.8, 0.2, 0.01
 WARMUP_STEPS = 10  # memory may grow while the first window sizes are compiled
-MEMORY_SLACK = 1.05
+# torch's caching allocator serves the whole loop (model, references, bridge): a new mix of
+# block sizes can still make it reserve another segment after warm-up (seen once on the
+# H200: +9% at step 33, flat afterwards). Live memory must not grow at all.
+RESERVED_SLACK = 1.25
 BUG_SIZE = 5e-4
 
 
@@ -218,7 +221,8 @@ def run_rank(rank, world, device, args):
         if cuda:
             stats = jax_device.memory_stats() or {}
             mem = (torch.cuda.memory_reserved(device),
-                   stats.get("pool_bytes", stats.get("bytes_reserved", 0)))
+                   stats.get("pool_bytes", stats.get("bytes_reserved", 0)),
+                   torch.cuda.memory_allocated(device))
             reserved.append(mem)
         windows = len(_windows.row_windows(T))
         log.append((step, T, windows, float(loss.detach()), err_ref, err_meg, compiled, mem))
@@ -228,12 +232,14 @@ def run_rank(rank, world, device, args):
             failures.append(f"step {step} (T = {T}): d params vs Megatron {err_meg:.2e} > 4e-3")
         if compiled > bound:
             failures.append(f"step {step}: {compiled} programs compiled (bound {bound})")
-    if cuda:
+    if cuda:  # after warm-up: JAX's pool and torch's live memory flat, torch's cache bounded
         settled = reserved[WARMUP_STEPS - 1]
         for step, mem in enumerate(reserved[WARMUP_STEPS:], WARMUP_STEPS):
-            if mem[0] > MEMORY_SLACK * settled[0] or mem[1] > MEMORY_SLACK * settled[1] + 2**20:
-                failures.append(f"step {step}: reserved memory grew after warm-up: torch "
-                                f"{settled[0]} -> {mem[0]} B, JAX {settled[1]} -> {mem[1]} B")
+            if mem[1] > settled[1] or mem[2] > settled[2] or mem[0] > RESERVED_SLACK * settled[0]:
+                failures.append(
+                    f"step {step}: memory grew after warm-up: JAX pool {settled[1]} -> "
+                    f"{mem[1]} B, torch live {settled[2]} -> {mem[2]} B, torch reserved "
+                    f"{settled[0]} -> {mem[0]} B (limit x{RESERVED_SLACK})")
     return {"rank": rank, "log": log, "failures": failures}
 
 
@@ -297,7 +303,7 @@ def main(argv=None):
                        join=True, start_method="spawn")
     results = queue.get()
     print(" step     T  windows      loss  d params vs f64  vs Megatron  programs"
-          + ("  torch/JAX reserved MiB" if args.device == "cuda" else ""))
+          + ("  MiB: torch reserved / live, JAX pool" if args.device == "cuda" else ""))
     for rows in zip(*(r["log"] for r in results)):
         step, T, windows, loss, _, _, compiled, mem = rows[0]
         err_ref = max(r[4] for r in rows)
@@ -305,7 +311,7 @@ def main(argv=None):
         line = (f"{step:5d} {T:5d} {windows:8d} {loss:9.4f} {err_ref:16.2e} {err_meg:12.2e} "
                 f"{compiled:9d}")
         if mem is not None:
-            line += f"  {mem[0] / 2**20:10.0f} / {mem[1] / 2**20:.1f}"
+            line += f"  {mem[0] / 2**20:10.0f} / {mem[2] / 2**20:.0f}, {mem[1] / 2**20:.1f}"
         print(line)
     failures = [f for r in results for f in r["failures"]]
     for f in failures[:20]:

@@ -175,7 +175,9 @@ def run_rank(rank, world, device, args):
     compiled_before = _jaxfns.compiled_programs()
     log, failures, reserved = [], [], []
 
-    for step, (T, tokens, advantages) in enumerate(micro_batches(args)):
+    def train_step(T, tokens, advantages):
+        """One micro-batch: sets each parameter's .grad to the bridge's gradient and returns
+        (loss, error vs float64, error vs Megatron). Its [T, ...] tensors die on return."""
         tokens, advantages = tokens.to(device), advantages.to(device)
         targets = tokens[1:]
         hidden = CopyToTensorParallel.apply(model.hidden(tokens), tp_group)
@@ -211,11 +213,14 @@ def run_rank(rank, world, device, args):
             logits.clone().unsqueeze(1), targets.unsqueeze(1), tp_group)[:, 0]
         g_meg = torch.autograd.grad(ppo_loss(lp_meg, h64, old_log_prob, advantages), params)
 
-        err_ref = rel_l2(flat(g_bridge), flat(g_ref))
-        err_meg = rel_l2(flat(g_bridge), flat(g_meg))
-        compiled = _jaxfns.compiled_programs() - compiled_before
         for p, g in zip(params, g_bridge):
             p.grad = g
+        return (float(loss.detach()), rel_l2(flat(g_bridge), flat(g_ref)),
+                rel_l2(flat(g_bridge), flat(g_meg)))
+
+    for step, (T, tokens, advantages) in enumerate(micro_batches(args)):
+        loss, err_ref, err_meg = train_step(T, tokens, advantages)
+        compiled = _jaxfns.compiled_programs() - compiled_before
         optimizer.step()
         mem = None
         if cuda:
@@ -225,7 +230,7 @@ def run_rank(rank, world, device, args):
                    torch.cuda.memory_allocated(device))
             reserved.append(mem)
         windows = len(_windows.row_windows(T))
-        log.append((step, T, windows, float(loss.detach()), err_ref, err_meg, compiled, mem))
+        log.append((step, T, windows, loss, err_ref, err_meg, compiled, mem))
         if err_ref > 1e-5:
             failures.append(f"step {step} (T = {T}): d params vs float64 {err_ref:.2e} > 1e-5")
         if err_meg > 4e-3:

@@ -132,14 +132,19 @@ def main(argv=None) -> int:
 
     local = jax.local_devices()[0]
 
-    def unsharded_loss(logits):
-        log_prob, entropy = jaxops.logprob_entropy(
-            logits, jax.device_put(targets_np, local),
-            keep_mask=jax.device_put(mask_np, local), **options)
-        return -jnp.mean(log_prob) - 0.01 * jnp.mean(entropy), (log_prob, entropy)
+    # Arrays enter the jitted function as arguments: an array a jitted function closes
+    # over is baked into the compiled program as a constant (the [T, V] mask included).
+    @jax.jit
+    def unsharded_loss_and_grad(logits, targets, keep_mask):
+        def loss(logits):
+            log_prob, entropy = jaxops.logprob_entropy(
+                logits, targets, keep_mask=keep_mask, **options)
+            return -jnp.mean(log_prob) - 0.01 * jnp.mean(entropy), (log_prob, entropy)
 
-    (want_loss, (want_lp, want_h)), want_grad = jax.jit(
-        jax.value_and_grad(unsharded_loss, has_aux=True))(jax.device_put(logits_np, local))
+        return jax.value_and_grad(loss, has_aux=True)(logits)
+
+    (want_loss, (want_lp, want_h)), want_grad = unsharded_loss_and_grad(
+        *(jax.device_put(a, local) for a in (logits_np, targets_np, mask_np)))
     errors = {
         "loss": abs(float(loss) - float(want_loss)),
         "log_prob": float(np.max(np.abs(full(log_prob) - np.asarray(want_lp)))),

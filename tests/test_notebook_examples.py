@@ -36,9 +36,17 @@ def _missing(*modules):
     return [m for m in modules if importlib.util.find_spec(m) is None]
 
 
+# JAX reports (warns about) any program that captures more constants than this: an array a
+# jitted function closes over instead of taking it as an argument. O(T) vectors stay below
+# it at every size the examples and the notebook run; a captured [T, V] array does not.
+CAPTURED_CONSTANTS_LIMIT = str(64 * 1024)
+CAPTURED = "constants were captured"
+
+
 def _run(args, timeout=600):
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), env.get("PYTHONPATH")) if p)
+    env["JAX_CAPTURED_CONSTANTS_WARN_BYTES"] = CAPTURED_CONSTANTS_LIMIT
     proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout)
     return proc.returncode, proc.stdout, proc.stderr
@@ -80,10 +88,11 @@ def test_committed_notebook_outputs_belong_to_its_sources():
 
 
 @pytest.mark.slow
-def test_notebook_executes(tmp_path):
+def test_notebook_executes(tmp_path, monkeypatch):
     missing = _missing("nbclient", "nbformat", "ipykernel", "matplotlib")
     if missing:
         pytest.skip(f"notebook dependencies not installed: {missing}")
+    monkeypatch.setenv("JAX_CAPTURED_CONSTANTS_WARN_BYTES", CAPTURED_CONSTANTS_LIMIT)  # kernel env
     execute = _load_execute()
     before = NOTEBOOK.read_bytes()
     out = tmp_path / "precision.ipynb"
@@ -99,6 +108,8 @@ def test_notebook_executes(tmp_path):
     for n in range(1, 8):
         assert f"**{n}. " in findings, f"finding {n} missing"
     assert not re.search(r"\b(nan|inf)\b", findings, re.IGNORECASE), findings
+    captured = [c.source[:80] for c in code if CAPTURED in _outputs_text(c)]
+    assert not captured, f"cells whose jitted functions capture arrays: {captured}"
     print(f"notebook executed in {elapsed:.0f} s")
 
 
@@ -108,6 +119,7 @@ def test_notebook_executes(tmp_path):
 def test_jax_grpo_example():
     rc, out, err = _run(["examples/jax_grpo.py"])
     assert rc == 0, out[-3000:] + err[-3000:]
+    assert CAPTURED not in err, err[-3000:]
     last = out.strip().splitlines()[-1]
     assert last.startswith("GRPO OK") and "loss went down" in last and "reward went up" in last
 
@@ -126,6 +138,7 @@ def test_torch_ppo_example():
         pytest.skip("megatron-core is not installed")
     rc, out, err = _run(["examples/torch_ppo.py"])
     assert rc == 0, out[-3000:] + err[-3000:]
+    assert CAPTURED not in err, err[-3000:]
     assert "FAIL" not in out
     assert out.strip().splitlines()[-1].startswith("PPO step matches Megatron")
 

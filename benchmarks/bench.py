@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark: log-prob (+ entropy) of softmax(logits / tau), against the HBM roofline and the anchors.
 
-One run, one device, every implementation side by side (SPEC §7, §8, issue 5):
+One run, one device, every implementation side by side (docs/design.md §7, §8, issue 5):
 
   jaxops-pallas   this project's op, Pallas kernels            (jax.jit)
   jaxops-xla      this project's op, statistics in fused jnp   (jax.jit)

@@ -18,7 +18,7 @@ each, one device sync per repeat), for:
   compiled    torch.compile(fullgraph=True) of forward + loss, then autograd.grad
               (includes the loss' own small kernels)
   naive       jax.dlpack.from_dlpack -> jit(vjp) -> torch.from_dlpack, synchronising the
-              device after every call (the ~360 us round trip of SPEC section 6)
+              device after every call (the ~360 us round trip of docs/design.md §6)
 
 and a breakdown of the per-call costs (imports, exports, stream sync, dispatch) that
 explains the difference. Overhead = bridge - jax at small shapes, where the device is idle

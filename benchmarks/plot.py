@@ -6,7 +6,7 @@
 One panel per (phase, dtype, entropy, mask) combination measured at two or more T (at the
 headline V): forward in the top row, forward+backward in the middle row (log-log axes; the
 dashed black line is the roofline: bytes that must move / the copy bandwidth measured in the
-same run), and forward+backward time / roofline in the bottom row with the SPEC §8 target.
+same run), and forward+backward time / roofline in the bottom row with the docs/design.md §8 target.
 Cases that ran out of memory are marked with an x at the top of a panel.
 """
 
@@ -96,7 +96,7 @@ def plot(results, out_path):
                          f"{report.yn(entropy)}, mask {report.yn(mask)}", fontsize=9)
             if col == 0:
                 ax.set_ylabel("time (ms, median)")
-        # Third row: forward+backward time / roofline (linear), with the SPEC §8 target.
+        # Third row: forward+backward time / roofline (linear), with the docs/design.md §8 target.
         ax = axes[2][col]
         top = 1.3
         for impl in report.IMPL_ORDER:

@@ -48,11 +48,11 @@ def rows_by_key(results):
             for r in results.get("rows", [])}
 
 
-HEADLINE = (8192, 151_936)  # SPEC §7/§8
+HEADLINE = (8192, 151_936)  # docs/design.md §7/§8
 
 
 def main_size(results):
-    """(T, V) of the headline comparison: SPEC's size if measured, else the first one."""
+    """(T, V) of the headline comparison: the design's headline size if measured, else the first one."""
     rows = results.get("rows", [])
     if any((r["T"], r["V"]) == HEADLINE for r in rows):
         return HEADLINE

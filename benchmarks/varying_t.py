@@ -1,4 +1,4 @@
-"""The bridge in a loop whose T changes every call (SPEC §9), next to fixed-T and JAX loops.
+"""The bridge in a loop whose T changes every call (docs/design.md §9), next to fixed-T and JAX loops.
 
     python -m benchmarks.varying_t [--out DIR] [--vocab 18992] [--calls 40] [--max-tokens 32768]
 

@@ -2,7 +2,7 @@
 
 With `axis_name` set this runs inside `shard_map` over the vocabulary axis and
 uses exactly two O(T) collectives: one `pmax` of the (stop-gradient) row maxima
-and one `psum` of the stacked rescaled sums (SPEC §3). JAX transposes the psum
+and one `psum` of the stacked rescaled sums (docs/design.md §3). JAX transposes the psum
 itself, which is what keeps gradients right under both `check_vma` settings:
 no collective in the backward with `check_vma=True`, one O(T) psum with
 `check_vma=False` (where JAX divides a replicated output's cotangent by the

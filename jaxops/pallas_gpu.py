@@ -1,7 +1,7 @@
 """Pallas GPU kernels (Triton lowering) for the shard statistics and their gradient.
 
 One program per row. The forward streams the row's vocabulary in tiles of
-`block_v` and keeps online-softmax accumulators (SPEC §3); the backward
+`block_v` and keeps online-softmax accumulators (docs/design.md §3); the backward
 recomputes exp(x - m) from the saved row maxima and writes the gradient once,
 in the logits' dtype. On CPU the same kernels run with `interpret=True`. The
 statistics and the gradient formula are the contract of `contract.py`; the launch

@@ -1,4 +1,4 @@
-"""The executable definition of the op (SPEC §2), in plain `jnp`.
+"""The executable definition of the op (docs/design.md §2), in plain `jnp`.
 
 Everything here is written for clarity, not speed: it materialises the full
 softmax, and JAX's own autodiff supplies the gradient. The tests compare every

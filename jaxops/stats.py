@@ -1,7 +1,7 @@
 """Per-shard softmax statistics: the one place where the `[T, V_loc]` logits are touched.
 
 `local_stats` reduces each row of this shard's logits to a handful of numbers
-(SPEC §3; the fields and what they mean are `contract.LocalStats`). Everything
+(docs/design.md §3; the fields and what they mean are `contract.LocalStats`). Everything
 downstream -- the cross-shard combine, log-prob, entropy -- is plain
 differentiable JAX on `[T]` arrays (see `combine.py`).
 

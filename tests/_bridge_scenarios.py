@@ -1,7 +1,7 @@
 """Scenario checks for the PyTorch bridge, shared by the CPU and CUDA tests.
 
 One scenario = one call of the bridge on this rank's vocabulary shard, checked against
-  * a float64 torch reference of SPEC section 2 on the full (unsharded) logits: values,
+  * a float64 torch reference of docs/design.md §2 on the full (unsharded) logits: values,
     log-prob gradient, entropy gradient, combined gradient;
   * Megatron-core's `fused_vocab_parallel_cross_entropy` (unmasked, temperature 1):
     -loss vs log-prob, and its gradient vs ours after casting both to bf16;
@@ -85,7 +85,7 @@ def make_inputs(sc: Scenario, world: int, device, seed: int = 0):
         mask = torch.rand(T, V, generator=gen) < 0.3
         mask[2] = False  # only the target counts: log_prob = 0
         mask[3, y[3]] = False  # the target counts even with its bit off
-        # a -inf logit the mask removes (allowed, SPEC section 2)
+        # a -inf logit the mask removes (allowed, docs/design.md §2)
         col = (int(y[4]) + 1) % V
         mask[4, col] = False
         x[4, col] = float("-inf")
@@ -96,7 +96,7 @@ def make_inputs(sc: Scenario, world: int, device, seed: int = 0):
 
 
 def reference(x, y, mask, tau):
-    """float64 log_prob and entropy of SPEC section 2 (differentiable in x)."""
+    """float64 log_prob and entropy of docs/design.md §2 (differentiable in x)."""
     import torch
 
     z = x.double() / tau
@@ -121,7 +121,7 @@ def rel_err(a, b):
 
 
 def grad_tol(dtype) -> float:
-    """SPEC section 8: the gradient tolerance of tests/_oracle.py's one table."""
+    """docs/design.md §8: the gradient tolerance of tests/_oracle.py's one table."""
     from _oracle import grad_rtol
 
     return grad_rtol(dtype)
@@ -185,7 +185,7 @@ def run_scenario(sc: Scenario, *, group, meg_group, rank: int, world: int, devic
     close("log_prob vs float64 reference", lp.detach(), lp_ref.detach(), atol)
     if sc.masked:
         # log p = 0 exactly in real arithmetic; the kernels reach it up to fp32 rounding of
-        # the shared exponentials (SPEC §8's bound, taken on this row alone).
+        # the shared exponentials (docs/design.md §8's bound, taken on this row alone).
         row = x_full[2][torch.isfinite(x_full[2])].float()
         row_tol = VALUE_RTOL * max(1.0, float(row.abs().max()) / tau)
         assert abs(float(lp[2].detach())) <= row_tol, \

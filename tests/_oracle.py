@@ -1,4 +1,4 @@
-"""The tests' one tolerance table and one float64 oracle (SPEC §8).
+"""The tests' one tolerance table and one float64 oracle (docs/design.md §8).
 
 With x = logits / temperature and the float64 numbers computed by
 `implementation="reference"` on the *same input values* upcast to float64:
@@ -6,7 +6,7 @@ With x = logits / temperature and the float64 numbers computed by
     log-prob, entropy:  |err| <= VALUE_RTOL * max(1, max_j |x[t, j]|)      (per row)
     gradient:           ||g - g64|| / ||g64|| <= GRAD_RTOL[dtype of the logits]
 
-SPEC §8 states the gradient targets for |x| up to X_RANGE; beyond that an fp32
+design §8 states the gradient targets for |x| up to X_RANGE; beyond that an fp32
 x = logits / tau is itself off by ~eps32 * |x|, which moves the probabilities by as
 much (relative), so `grad_rtol(dtype, max_abs_x)` grows the fp32 part of the
 allowance in proportion to max |x|, as the value bound does.
@@ -45,7 +45,7 @@ def grad_rtol(dtype, max_abs_x: float = 0.0) -> float:
 
 
 def value_bound(logits, temperature, rtol: float = VALUE_RTOL):
-    """Per-row bound rtol * max(1, max_j |x|), over the finite x (SPEC §8: rtol = 1e-5)."""
+    """Per-row bound rtol * max(1, max_j |x|), over the finite x (docs/design.md §8: rtol = 1e-5)."""
     x = np.asarray(logits).astype(np.float64) / temperature
     finite = np.where(np.isfinite(x), np.abs(x), 0.0)
     return rtol * np.maximum(1.0, finite.max(axis=-1, initial=0.0))

@@ -2,7 +2,7 @@
 
 - float64 is enabled for the whole session: the tests compare every implementation
   against `implementation="reference"` evaluated on the same input values upcast to
-  float64 (SPEC §8).
+  float64 (docs/design.md §8).
 - `@pytest.mark.gpu` (or `pytest.param(..., marks=pytest.mark.gpu)`) marks a test that
   needs a CUDA GPU; it is skipped, with the reason shown, wherever JAX's default
   backend is not "gpu".

@@ -1,6 +1,6 @@
 """`jaxops.logprob_entropy` and `jaxops.staged` against the float64 reference.
 
-The contract is SPEC §2 (semantics, edge cases, errors) and §8 (precision): values and
+The contract is docs/design.md §2 (semantics, edge cases, errors) and §8 (precision): values and
 gradients against the float64 reference on the same input values, to the one tolerance
 table of tests/_oracle.py (log-prob, entropy: 1e-5 * max(1, max |x|) per row; gradient:
 relative 1e-5 fp32, 4e-3 bf16, 1e-3 fp16), and the gradient has the logits' dtype.
@@ -425,7 +425,7 @@ def test_reference_check_grads_float64():
 def test_mask_keeps_only_the_target(implementation, mask):
     """log_prob is 0 and its gradient is 0 on rows whose mask keeps (at most) the target.
 
-    "0" to SPEC §8 precision: 1e-5 * max(1, max|x|) for the value, and 1e-5 of the
+    "0" to docs/design.md §8 precision: 1e-5 * max(1, max|x|) for the value, and 1e-5 of the
     log-prob gradient's scale |g_lp| / tau for every gradient entry.
     """
     logits, targets, keep_mask = make_inputs(4, BASE_LEAD, BASE_V, mask=mask)

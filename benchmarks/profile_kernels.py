@@ -39,15 +39,16 @@ def run_variant(spec, config):
     y = jax.random.randint(jax.random.key(1), (T,), 0, V)
     mask = (jax.random.uniform(jax.random.key(2), (T, V)) < 0.05) if "mask" in case else None
 
-    def op(x):
+    def op(x, y, mask):  # arrays as arguments: a captured mask would be an HLO constant
         return jaxops.logprob_entropy(x, y, keep_mask=mask, with_entropy="noent" not in case,
                                       implementation="pallas", pallas_config=config)
 
     if spec["phase"] == "fwd":
         fn = jax.jit(op)
     else:
-        fn = jax.jit(jax.grad(lambda x: sum(jnp.sum(o) for o in op(x) if o is not None)))
-    jax.block_until_ready(fn(x))
+        fn = jax.jit(jax.grad(lambda x, y, mask: sum(
+            jnp.sum(o) for o in op(x, y, mask) if o is not None)))
+    jax.block_until_ready(fn(x, y, mask))
 
 
 def main():

@@ -29,13 +29,14 @@ def max_errors(cfg, num_tokens=33, num_vocab=151936 // 8 + 5, dtype=jnp.bfloat16
     mask = jnp.asarray(rng.random((num_tokens, num_vocab)) < 0.05)
     cot = jnp.asarray(rng.normal(size=(2, num_tokens)), jnp.float32)
 
-    def loss(x, impl):
+    def loss(x, y, mask, cot, impl):  # every array an argument: nothing baked into the HLO
         lp, h = jaxops.logprob_entropy(x, y, keep_mask=mask, temperature=0.8, implementation=impl,
                                        pallas_config=cfg if impl == "pallas" else None)
         return jnp.sum(lp * cot[0].astype(lp.dtype)) + jnp.sum(h * cot[1].astype(h.dtype)), (lp, h)
 
-    g, (lp, h) = jax.jit(jax.grad(lambda x: loss(x, "pallas"), has_aux=True))(x)
-    gr, (lpr, hr) = jax.jit(jax.grad(lambda x: loss(x, "reference"), has_aux=True))(x.astype(jnp.float64))
+    grad = jax.jit(jax.grad(loss, has_aux=True), static_argnames="impl")
+    g, (lp, h) = grad(x, y, mask, cot, impl="pallas")
+    gr, (lpr, hr) = grad(x.astype(jnp.float64), y, mask, cot, impl="reference")
     return (float(jnp.max(jnp.abs(lp - lpr))), float(jnp.max(jnp.abs(h - hr))),
             float(jnp.linalg.norm(g.astype(jnp.float64) - gr) / jnp.linalg.norm(gr)))
 
@@ -57,13 +58,14 @@ def extreme_errors(cfg):
     y[4] = 1
     x, mask, y = jnp.asarray(x, jnp.float32), jnp.asarray(mask), jnp.asarray(y)
 
-    def loss(x, impl):
+    def loss(x, y, mask, impl):
         lp, h = jaxops.logprob_entropy(x, y, keep_mask=mask, implementation=impl,
                                        pallas_config=cfg if impl == "pallas" else None)
         return jnp.sum(lp * jnp.arange(1.0, num_tokens + 1, dtype=lp.dtype)), (lp, h)
 
-    g, (lp, h) = jax.jit(jax.grad(lambda x: loss(x, "pallas"), has_aux=True))(x)
-    gr, (lpr, hr) = jax.jit(jax.grad(lambda x: loss(x, "reference"), has_aux=True))(x.astype(jnp.float64))
+    grad = jax.jit(jax.grad(loss, has_aux=True), static_argnames="impl")
+    g, (lp, h) = grad(x, y, mask, impl="pallas")
+    gr, (lpr, hr) = grad(x.astype(jnp.float64), y, mask, impl="reference")
     return (float(jnp.max(jnp.abs(lp - lpr))), float(jnp.max(jnp.abs(h - hr))),
             float(jnp.linalg.norm(g.astype(jnp.float64) - gr) / jnp.linalg.norm(gr)))
 
@@ -121,12 +123,17 @@ def main():
             for case in args.cases.split(","):
                 ent, m = "noent" not in case, (mask if "mask" in case else None)
                 fwd_bytes, fb_bytes = harness.roofline_bytes(dtype_name, T, V, m is not None)
-                op = lambda x: jaxops.logprob_entropy(x, y, keep_mask=m, with_entropy=ent,
-                                                     implementation="pallas", pallas_config=cfg)
+                # targets and mask are arguments: a captured [T, V] mask would be baked into
+                # the program as a 1.2 GB constant (minutes of compile time)
+                op = lambda x, y, m: jaxops.logprob_entropy(  # noqa: E731
+                    x, y, keep_mask=m, with_entropy=ent, implementation="pallas",
+                    pallas_config=cfg)
                 fwd = jax.jit(op)
-                fwd_bwd = jax.jit(jax.grad(lambda x: sum(jnp.sum(o) for o in op(x) if o is not None)))
+                fwd_bwd = jax.jit(jax.grad(
+                    lambda x, y, m: sum(jnp.sum(o) for o in op(x, y, m) if o is not None)))
+                inputs = [(x, y, m) for x in xs]
                 try:
-                    tf, tb = timed(fwd, [(x,) for x in xs]), timed(fwd_bwd, [(x,) for x in xs])
+                    tf, tb = timed(fwd, inputs), timed(fwd_bwd, inputs)
                 except Exception:
                     traceback.print_exc()
                     print("FAILED", cfg, dtype_name, case, flush=True)

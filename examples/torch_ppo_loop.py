@@ -23,7 +23,8 @@ gradients of all model parameters are compared with the same loss computed by
 Also checked: the bridge's compiled programs stay within one per power-of-two row window
 (forward and backward) and, on CUDA, no host synchronisation in the bridge's forward and
 backward (torch's sync debug mode), and after the first steps neither JAX's memory pool
-nor torch's live memory grows (torch's cache may take one more segment: at most +25%).
+nor torch's live memory grows (within 1 MiB; torch's cache may take one more segment: at
+most +25%).
 
 Prints a line per step and a final "PPO loop OK" or "PPO loop MISMATCH"; exits non-zero on
 a mismatch. `--bug grad-scale` scales the bridge's gradient by 1 + 5e-4 (the checks fail).
@@ -53,8 +54,11 @@ TEMPERATURE, CLIP, ENTROPY_COEF = 0.8, 0.2, 0.01
 WARMUP_STEPS = 10  # memory may grow while the first window sizes are compiled
 # torch's caching allocator serves the whole loop (model, references, bridge): a new mix of
 # block sizes can still make it reserve another segment after warm-up (seen once on the
-# H200: +9% at step 33, flat afterwards). Live memory must not grow at all.
+# H200: +9% at step 33, flat afterwards). Live memory must stay within 1 MiB of its level
+# after warm-up: torch's own one-off allocations land there (+448 KiB once at step 15 in
+# one H200 run), a per-step leak of the loop's tensors does not fit.
 RESERVED_SLACK = 1.25
+LIVE_SLACK_BYTES = 2**20
 BUG_SIZE = 5e-4
 
 
@@ -240,11 +244,13 @@ def run_rank(rank, world, device, args):
     if cuda:  # after warm-up: JAX's pool and torch's live memory flat, torch's cache bounded
         settled = reserved[WARMUP_STEPS - 1]
         for step, mem in enumerate(reserved[WARMUP_STEPS:], WARMUP_STEPS):
-            if mem[1] > settled[1] or mem[2] > settled[2] or mem[0] > RESERVED_SLACK * settled[0]:
+            if (mem[1] > settled[1] or mem[2] > settled[2] + LIVE_SLACK_BYTES
+                    or mem[0] > RESERVED_SLACK * settled[0]):
                 failures.append(
                     f"step {step}: memory grew after warm-up: JAX pool {settled[1]} -> "
                     f"{mem[1]} B, torch live {settled[2]} -> {mem[2]} B, torch reserved "
-                    f"{settled[0]} -> {mem[0]} B (limit x{RESERVED_SLACK})")
+                    f"{settled[0]} -> {mem[0]} B (limits: JAX flat, live +1 MiB, reserved "
+                    f"x{RESERVED_SLACK})")
     return {"rank": rank, "log": log, "failures": failures}
 
 

@@ -128,23 +128,23 @@ def _lower_jax_grpo_programs(grpo):
     assert not reports, reports
 
 
-@pytest.mark.parametrize("backend", ["xla", "pallas"])
-def test_bridge_programs_capture_no_arrays(backend):
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_bridge_programs_capture_no_arrays(implementation):
     """The bridge's jitted functions (one per static configuration) and the staged API
     under them, lowered at the GPU size for a single shard and for one of 8 shards."""
     from bridge import _jaxfns
 
     from jaxops import PallasConfig
 
-    config = PallasConfig(interpret=True) if backend == "pallas" else ()
+    config = PallasConfig(interpret=True) if implementation == "pallas" else None
     with captured_constant_reports() as reports:
         for world in (1, 8):
             num_vocab = GPU_V // world
             logits = S((GPU_T, num_vocab), jnp.bfloat16)
             mask = S((GPU_T, num_vocab), jnp.bool_)
             raw_targets = S((2 * GPU_T,), jnp.int32)  # int64 ids as int32 pairs
-            static = dict(inv_tau=1.25, with_entropy=True, masked=True, backend=backend,
-                          config=config, target_mode="i64")
+            static = dict(inv_tau=1.25, with_entropy=True, masked=True,
+                          implementation=implementation, config=config, target_mode="i64")
             forward = _jaxfns.local_forward(shard_index=world - 1, world=world, **static)
             forward.trace(logits, raw_targets, mask).lower()
             gathered = S((world, 6, GPU_T), jnp.float32)
@@ -154,8 +154,8 @@ def test_bridge_programs_capture_no_arrays(backend):
             static.pop("with_entropy")
             _jaxfns.local_backward(
                 shard_index=world - 1, with_entropy=True, entropy_grad=True,
-                has_d_log_prob=True, has_d_entropy=True, **static,
-            ).trace(logits, raw_targets, mask, gathered, S((2, GPU_T), jnp.float32)).lower()
+                has_d_log_prob=True, has_d_entropy=True, write_through=False, **static,
+            ).trace(logits, raw_targets, mask, gathered, S((GPU_T, 2), jnp.float32)).lower()
     assert not reports, reports
 
 

@@ -143,7 +143,7 @@ def _linear_local_stats_bwd(inv_tau, with_entropy, entropy_grad, implementation,
 _linear_local_stats.defvjp(_linear_local_stats_fwd, _linear_local_stats_bwd)
 
 
-def _check_linear(hidden, weight, chunk_size):
+def _check_linear(hidden, weight, chunk_size, implementation):
     validate.check_array("hidden", hidden)
     validate.check_array("weight", weight)
     if hidden.ndim < 1 or hidden.shape[-1] < 1:
@@ -157,6 +157,11 @@ def _check_linear(hidden, weight, chunk_size):
     if jnp.dtype(hidden.dtype) != jnp.dtype(weight.dtype):
         raise TypeError(f"hidden and weight must have the same dtype, got "
                         f"{jnp.dtype(hidden.dtype).name} and {jnp.dtype(weight.dtype).name}")
+    allowed = ("float32", "bfloat16", "float16") + (
+        ("float64",) if implementation == "reference" else ())
+    if jnp.dtype(hidden.dtype).name not in allowed:
+        raise TypeError(f"hidden and weight must be one of {list(allowed)} for implementation "
+                        f"{implementation!r}, got {jnp.dtype(hidden.dtype).name}")
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(
             chunk_size, (int, np.integer)) or chunk_size < 1):
         raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
@@ -219,7 +224,7 @@ def linear_logprob_entropy(
     add that all-reduce again around this op.
     """
     impl, config = implementations.resolve(implementation, pallas_config=pallas_config)
-    _check_linear(hidden, weight, chunk_size)
+    _check_linear(hidden, weight, chunk_size, impl)
     lead_shape, num_vocab = tuple(hidden.shape[:-1]), weight.shape[0]
     logits_like = jax.ShapeDtypeStruct(lead_shape + (num_vocab,), hidden.dtype)
     validate.check_inputs(logits_like, targets, keep_mask, impl)

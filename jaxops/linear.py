@@ -218,7 +218,9 @@ def linear_logprob_entropy(
     `check_vma=True` it marks `hidden` as varying over `axis_name` (`lax.pcast`),
     whose transpose is the O(T * H) psum; under `check_vma=False` each shard's value
     is its own part and `shard_map`'s transpose sums it for a replicated (`P()`)
-    `hidden`, as JAX does for any replicated input. Megatron's column-parallel
+    `hidden`, as JAX does for any replicated input. (Each shard's part has
+    `hidden`'s dtype when it is summed: for bf16, a bf16 all-reduce of fp32-accumulated
+    parts, as in Megatron.) Megatron's column-parallel
     output layer instead returns each rank's partial `d hidden` and leaves the
     all-reduce to `copy_to_tensor_model_parallel_region` in front of it; do not
     add that all-reduce again around this op.

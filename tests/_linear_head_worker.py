@@ -79,7 +79,8 @@ def value_and_vjp(fn, hidden, weight, targets, mask, g_lp, g_h):
 def inputs(data, cfg):
     dtype = cfg["dtype"]
     return (jnp.asarray(data["hidden"], dtype), jnp.asarray(data["weight"], dtype),
-            jnp.asarray(data["targets"]), None if data["mask"] is None else jnp.asarray(data["mask"]),
+            jnp.asarray(data["targets"]),
+            None if data["mask"] is None else jnp.asarray(data["mask"]),
             jnp.asarray(data["d_log_prob"]), jnp.asarray(data["d_entropy"]))
 
 

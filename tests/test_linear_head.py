@@ -52,7 +52,8 @@ def run_case(lead, hidden_size, num_vocab, dtype, *, mask, temperature=1.0, with
              entropy_grad=True, implementation="xla", chunk_size=None, seed=0, jit=True):
     data = make_linear_inputs(seed, lead, hidden_size, num_vocab, dtype, mask=mask)
     args = (jnp.asarray(data["hidden"], dtype), jnp.asarray(data["weight"], dtype),
-            jnp.asarray(data["targets"]), None if data["mask"] is None else jnp.asarray(data["mask"]),
+            jnp.asarray(data["targets"]),
+            None if data["mask"] is None else jnp.asarray(data["mask"]),
             jnp.asarray(data["d_log_prob"]), jnp.asarray(data["d_entropy"]))
     got = (_vjp_jit if jit else _vjp)(
         *args, temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
@@ -132,6 +133,7 @@ def test_default_chunk_size():
 # ------------------------------------------------------------------ no [T, V_loc] array
 
 _TENSOR = re.compile(r"tensor<((?:\d+x)+)(\w+)>")
+_HLO_ARRAY = re.compile(r"\b(pred|bf16|[suf]\d+)\[([0-9,]*)\]")
 
 
 @pytest.mark.parametrize("mask", [False, True])
@@ -152,7 +154,8 @@ def test_no_full_logits_in_lowered_forward_and_backward(mask):
             struct((num_tokens,), jnp.int32),
             struct((num_tokens, num_vocab), jnp.bool_) if mask else None,
             struct((num_tokens,), F32), struct((num_tokens,), F32))
-    text = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args).as_text()
+    lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args)
+    text = lowered.as_text()
     sizes = [(int(np.prod([int(d) for d in dims.rstrip("x").split("x")])), kind)
              for dims, kind in _TENSOR.findall(text)]
     assert sizes, text[:2000]
@@ -160,6 +163,17 @@ def test_no_full_logits_in_lowered_forward_and_backward(mask):
     assert largest_float == chunk * num_vocab, largest_float  # one chunk, no more
     full = {kind for n, kind in sizes if n >= num_tokens * num_vocab}
     assert full == ({"i1"} if mask else set()), full
+
+    # The same in the compiled HLO (after XLA's fusion and loop passes), and its
+    # temporaries stay far below one fp32 [T, V_loc] array (134 MB here).
+    compiled = lowered.compile()
+    sizes = [(int(np.prod([int(d) for d in dims.split(",") if d])), kind)
+             for kind, dims in _HLO_ARRAY.findall(compiled.as_text())]
+    assert max(n for n, kind in sizes if kind != "pred") <= chunk * num_vocab
+    assert {kind for n, kind in sizes if n > chunk * num_vocab} <= {"pred"}
+    stats = compiled.memory_analysis()
+    if stats is not None:
+        assert stats.temp_size_in_bytes < num_tokens * num_vocab * 4 // 2, stats
 
 
 # ------------------------------------------------------------------ errors

@@ -220,7 +220,8 @@ def linear_logprob_entropy(
     is its own part and `shard_map`'s transpose sums it for a replicated (`P()`)
     `hidden`, as JAX does for any replicated input. (Each shard's part has
     `hidden`'s dtype when it is summed: for bf16, a bf16 all-reduce of fp32-accumulated
-    parts, as in Megatron.) Megatron's column-parallel
+    parts, as in Megatron.) A `hidden` already typed as varying over `axis_name`
+    is taken as this shard's own and gets this shard's part. Megatron's column-parallel
     output layer instead returns each rank's partial `d hidden` and leaves the
     all-reduce to `copy_to_tensor_model_parallel_region` in front of it; do not
     add that all-reduce again around this op.

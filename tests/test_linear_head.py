@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxops
 from jaxops.linear import default_chunk_size
@@ -86,6 +88,27 @@ def test_xla_against_float64(lead, hidden_size, num_vocab, dtype, mask, temperat
                              with_entropy, entropy_grad, chunk):
     run_case(lead, hidden_size, num_vocab, dtype, mask=mask, temperature=temperature,
              with_entropy=with_entropy, entropy_grad=entropy_grad, chunk_size=chunk)
+
+
+@settings(max_examples=6, deadline=None)
+@given(tokens=st.integers(1, 12), hidden_size=st.integers(1, 40), num_vocab=st.integers(1, 90),
+       chunk=st.integers(1, 13), mask=st.booleans(), bf16=st.booleans(),
+       temperature=st.sampled_from([0.5, 1.0, 1.7]), flags=st.sampled_from(
+           [(True, True), (True, False), (False, True)]), seed=st.integers(0, 2**16))
+def test_random_shapes(tokens, hidden_size, num_vocab, chunk, mask, bf16, temperature, flags,
+                       seed):
+    run_case((tokens,), hidden_size, num_vocab, BF16 if bf16 else F32, mask=mask,
+             temperature=temperature, with_entropy=flags[0], entropy_grad=flags[1],
+             chunk_size=chunk, seed=seed)
+
+
+def test_out_of_range_target_under_jit_is_nan():
+    data = make_linear_inputs(2, (5,), 8, 20, F32)
+    targets = jnp.asarray(data["targets"]).at[3].set(20)
+    log_prob, _ = jax.jit(lambda h, w, y: jaxops.linear_logprob_entropy(h, w, y, chunk_size=2))(
+        jnp.asarray(data["hidden"]), jnp.asarray(data["weight"]), targets)
+    log_prob = np.asarray(log_prob)
+    assert np.isnan(log_prob[3]) and np.isfinite(np.delete(log_prob, 3)).all(), log_prob
 
 
 @pytest.mark.parametrize("dtype,mask,chunk", [(F32, True, 4), (BF16, False, 3)])

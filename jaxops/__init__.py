@@ -3,6 +3,7 @@
 from jaxops.api import logprob_entropy
 from jaxops.implementations import IMPLEMENTATIONS
 from jaxops.implementations import default as default_implementation
+from jaxops.linear import linear_logprob_entropy
 from jaxops.pallas_config import PallasConfig
 from jaxops.reference import logprob_entropy_reference
 from jaxops.sharding import vocab_parallel_logprob_entropy
@@ -11,6 +12,7 @@ __all__ = [
     "IMPLEMENTATIONS",
     "PallasConfig",
     "default_implementation",
+    "linear_logprob_entropy",
     "logprob_entropy",
     "logprob_entropy_reference",
     "vocab_parallel_logprob_entropy",

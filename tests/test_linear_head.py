@@ -1,0 +1,252 @@
+"""`jaxops.linear_logprob_entropy` (the output layer fused into the op, chunked over tokens)
+against the float64 reference: `implementation="reference"` on the same hidden and weight
+values upcast to float64 (tests/_linear_cases.py), with tests/_oracle.py's tolerances.
+
+Values and both gradients (hidden, weight) through `jax.vjp` with random cotangents for
+both outputs; every flag; fp32, bf16, fp16; T = 0 and 1; leading dims; chunk sizes that do
+and do not divide T; H and V that are no multiple of any tile. Pallas runs in interpret
+mode on CPU, so its shapes are tiny. Vocab-parallel checks run in a subprocess with fake
+CPU devices (tests/_linear_head_worker.py); a lowering check shows no `[T, V_loc]` array.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import jaxops
+from jaxops.linear import default_chunk_size
+
+from _linear_cases import check_linear, make_linear_inputs
+
+ROOT = Path(__file__).resolve().parents[1]
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+
+
+def _vjp(hidden, weight, targets, mask, g_lp, g_h, *, temperature, with_entropy,
+         entropy_grad, implementation, chunk_size):
+    (log_prob, entropy), pullback = jax.vjp(
+        lambda h, w: jaxops.linear_logprob_entropy(
+            h, w, targets, keep_mask=mask, temperature=temperature, with_entropy=with_entropy,
+            entropy_grad=entropy_grad, implementation=implementation, chunk_size=chunk_size),
+        hidden, weight)
+    d_hidden, d_weight = pullback((g_lp, g_h if with_entropy else None))
+    return log_prob, entropy, d_hidden, d_weight
+
+
+_vjp_jit = jax.jit(_vjp, static_argnames=(
+    "temperature", "with_entropy", "entropy_grad", "implementation", "chunk_size"))
+
+
+def run_case(lead, hidden_size, num_vocab, dtype, *, mask, temperature=1.0, with_entropy=True,
+             entropy_grad=True, implementation="xla", chunk_size=None, seed=0, jit=True):
+    data = make_linear_inputs(seed, lead, hidden_size, num_vocab, dtype, mask=mask)
+    args = (jnp.asarray(data["hidden"], dtype), jnp.asarray(data["weight"], dtype),
+            jnp.asarray(data["targets"]),
+            None if data["mask"] is None else jnp.asarray(data["mask"]),
+            jnp.asarray(data["d_log_prob"]), jnp.asarray(data["d_entropy"]))
+    got = (_vjp_jit if jit else _vjp)(
+        *args, temperature=temperature, with_entropy=with_entropy, entropy_grad=entropy_grad,
+        implementation=implementation, chunk_size=chunk_size)
+    assert got[2].dtype == dtype and got[2].shape == args[0].shape
+    assert got[3].dtype == dtype and got[3].shape == args[1].shape
+    return check_linear(f"{implementation} {lead} H={hidden_size} V={num_vocab}", got, data,
+                        dtype, temperature=temperature, with_entropy=with_entropy,
+                        entropy_grad=entropy_grad)
+
+
+# (lead, H, V, dtype, mask, temperature, with_entropy, entropy_grad, chunk_size)
+CASES = [
+    ((2, 5), 19, 45, F32, True, 0.7, True, True, 4),  # leading dims; 4 does not divide 10
+    ((10,), 19, 45, BF16, True, 1.3, True, True, 5),  # 5 divides 10
+    ((10,), 19, 45, F32, False, 1.0, True, False, 3),  # entropy without gradient
+    ((10,), 19, 45, BF16, False, 0.8, False, True, None),  # no entropy; default chunk
+    ((10,), 19, 45, F16, True, 2.5, False, False, 7),
+    ((1,), 7, 3, F32, True, 1.0, True, True, 1),  # T = 1
+    ((7,), 33, 130, F32, True, 0.6, True, True, 16),  # chunk > T
+    ((3, 4), 5, 1, F32, False, 1.0, True, True, 5),  # V = 1
+]
+
+
+@pytest.mark.parametrize(
+    "lead,hidden_size,num_vocab,dtype,mask,temperature,with_entropy,entropy_grad,chunk", CASES,
+    ids=[f"{'x'.join(map(str, c[0]))}-H{c[1]}-V{c[2]}-{jnp.dtype(c[3]).name}-mask{int(c[4])}"
+         f"-tau{c[5]}-H{int(c[6])}{int(c[7])}-chunk{c[8]}" for c in CASES])
+def test_xla_against_float64(lead, hidden_size, num_vocab, dtype, mask, temperature,
+                             with_entropy, entropy_grad, chunk):
+    run_case(lead, hidden_size, num_vocab, dtype, mask=mask, temperature=temperature,
+             with_entropy=with_entropy, entropy_grad=entropy_grad, chunk_size=chunk)
+
+
+@settings(max_examples=6, deadline=None)
+@given(tokens=st.integers(1, 12), hidden_size=st.integers(1, 40), num_vocab=st.integers(1, 90),
+       chunk=st.integers(1, 13), mask=st.booleans(), bf16=st.booleans(),
+       temperature=st.sampled_from([0.5, 1.0, 1.7]), flags=st.sampled_from(
+           [(True, True), (True, False), (False, True)]), seed=st.integers(0, 2**16))
+def test_random_shapes(tokens, hidden_size, num_vocab, chunk, mask, bf16, temperature, flags,
+                       seed):
+    run_case((tokens,), hidden_size, num_vocab, BF16 if bf16 else F32, mask=mask,
+             temperature=temperature, with_entropy=flags[0], entropy_grad=flags[1],
+             chunk_size=chunk, seed=seed)
+
+
+def test_out_of_range_target_under_jit_is_nan():
+    data = make_linear_inputs(2, (5,), 8, 20, F32)
+    targets = jnp.asarray(data["targets"]).at[3].set(20)
+    log_prob, _ = jax.jit(lambda h, w, y: jaxops.linear_logprob_entropy(h, w, y, chunk_size=2))(
+        jnp.asarray(data["hidden"]), jnp.asarray(data["weight"]), targets)
+    log_prob = np.asarray(log_prob)
+    assert np.isnan(log_prob[3]) and np.isfinite(np.delete(log_prob, 3)).all(), log_prob
+
+
+@pytest.mark.parametrize("dtype,mask,chunk", [(F32, True, 4), (BF16, False, 3)])
+def test_pallas_interpret_against_float64(dtype, mask, chunk):
+    run_case((6,), 16, 40, dtype, mask=mask, temperature=0.7, chunk_size=chunk,
+             implementation="pallas", seed=3)
+
+
+def test_eager_call():
+    """Un-jitted: validation and the eager range check run, dispatch op by op."""
+    run_case((2, 3), 9, 21, F32, mask=True, temperature=0.9, chunk_size=4, jit=False, seed=5)
+
+
+@pytest.mark.parametrize("lead", [(0,), (2, 0)])
+def test_empty(lead):
+    hidden, weight = jnp.ones((*lead, 6), BF16), jnp.ones((11, 6), BF16)
+    targets = jnp.zeros(lead, jnp.int32)
+    out, pullback = jax.vjp(
+        lambda h, w: jaxops.linear_logprob_entropy(h, w, targets, chunk_size=4), hidden, weight)
+    assert out[0].shape == out[1].shape == lead and out[0].dtype == jnp.float32
+    d_hidden, d_weight = pullback((jnp.zeros(lead, F32), jnp.zeros(lead, F32)))
+    assert d_hidden.shape == hidden.shape and d_hidden.dtype == BF16
+    assert d_weight.dtype == BF16 and not np.asarray(d_weight, np.float32).any()
+
+
+def test_matches_unfused_op_in_float32():
+    """Equal (to fp32 rounding) to `logprob_entropy(hidden @ weight.T)`."""
+    data = make_linear_inputs(7, (9,), 24, 50, F32, mask=True)
+    h, w = jnp.asarray(data["hidden"]), jnp.asarray(data["weight"])
+    y, m = jnp.asarray(data["targets"]), jnp.asarray(data["mask"])
+    fused = jaxops.linear_logprob_entropy(h, w, y, keep_mask=m, temperature=0.8, chunk_size=4)
+    plain = jaxops.logprob_entropy(
+        jnp.dot(h, w.T, precision="highest"), y, keep_mask=m, temperature=0.8)
+    for a, b in zip(fused, plain):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def test_default_chunk_size():
+    assert default_chunk_size(5, 151_936) == 5  # capped at T
+    rows = default_chunk_size(100_000, 151_936)
+    assert rows % 8 == 0 and rows * 151_936 * 4 <= 256 * 2**20 < (rows + 8) * 151_936 * 4
+    assert default_chunk_size(100_000, 10**9) == 8  # at least 8 rows
+
+
+# ------------------------------------------------------------------ no [T, V_loc] array
+
+_TENSOR = re.compile(r"tensor<((?:\d+x)+)(\w+)>")
+_HLO_ARRAY = re.compile(r"\b(pred|bf16|[suf]\d+)\[([0-9,]*)\]")
+
+
+@pytest.mark.parametrize("mask", [False, True])
+def test_no_full_logits_in_lowered_forward_and_backward(mask):
+    """Lower value-and-grad at T = 4096, V_loc = 8192, chunk 256 from abstract inputs:
+    no float array in the StableHLO has more than chunk * V_loc elements (the only
+    T * V_loc array is the bool mask, an input)."""
+    num_tokens, num_vocab, hidden_size, chunk = 4096, 8192, 64, 256
+
+    def loss(hidden, weight, targets, keep_mask, g_lp, g_h):
+        lp, h = jaxops.linear_logprob_entropy(hidden, weight, targets, keep_mask=keep_mask,
+                                              temperature=0.7, chunk_size=chunk,
+                                              implementation="xla")
+        return jnp.sum(lp * g_lp) + jnp.sum(h * g_h)
+
+    struct = jax.ShapeDtypeStruct
+    args = (struct((num_tokens, hidden_size), BF16), struct((num_vocab, hidden_size), BF16),
+            struct((num_tokens,), jnp.int32),
+            struct((num_tokens, num_vocab), jnp.bool_) if mask else None,
+            struct((num_tokens,), F32), struct((num_tokens,), F32))
+    lowered = jax.jit(jax.value_and_grad(loss, argnums=(0, 1))).lower(*args)
+    text = lowered.as_text()
+    sizes = [(int(np.prod([int(d) for d in dims.rstrip("x").split("x")])), kind)
+             for dims, kind in _TENSOR.findall(text)]
+    assert sizes, text[:2000]
+    largest_float = max(n for n, kind in sizes if kind != "i1")
+    assert largest_float == chunk * num_vocab, largest_float  # one chunk, no more
+    full = {kind for n, kind in sizes if n >= num_tokens * num_vocab}
+    assert full == ({"i1"} if mask else set()), full
+
+    # The same in the compiled HLO (after XLA's fusion and loop passes), and its
+    # temporaries stay far below one fp32 [T, V_loc] array (134 MB here).
+    compiled = lowered.compile()
+    sizes = [(int(np.prod([int(d) for d in dims.split(",") if d])), kind)
+             for kind, dims in _HLO_ARRAY.findall(compiled.as_text())]
+    assert max(n for n, kind in sizes if kind != "pred") <= chunk * num_vocab
+    assert {kind for n, kind in sizes if n > chunk * num_vocab} <= {"pred"}
+    stats = compiled.memory_analysis()
+    if stats is not None:
+        assert stats.temp_size_in_bytes < num_tokens * num_vocab * 4 // 2, stats
+
+
+# ------------------------------------------------------------------ errors
+
+def _bad(**overrides):
+    args = dict(hidden=jnp.ones((4, 6), F32), weight=jnp.ones((10, 6), F32),
+                targets=jnp.zeros((4,), jnp.int32))
+    args.update(overrides)
+    hidden, weight, targets = args.pop("hidden"), args.pop("weight"), args.pop("targets")
+    return lambda: jaxops.linear_logprob_entropy(hidden, weight, targets, **args)
+
+
+@pytest.mark.parametrize("call,error,fragment", [
+    (_bad(weight=jnp.ones((10, 5), F32)), ValueError, "H must agree"),
+    (_bad(weight=jnp.ones((10,), F32)), ValueError, "weight must have shape"),
+    (_bad(hidden=jnp.ones((4, 0), F32), weight=jnp.ones((10, 0), F32)), ValueError,
+     "hidden must have"),
+    (_bad(weight=jnp.ones((10, 6), BF16)), TypeError, "same dtype"),
+    (_bad(hidden=jnp.ones((4, 6), jnp.int32), weight=jnp.ones((10, 6), jnp.int32)),
+     TypeError, "hidden and weight must be one of"),
+    (_bad(targets=jnp.zeros((3,), jnp.int32)), ValueError, "targets must have shape"),
+    (_bad(keep_mask=jnp.ones((4, 9), bool)), ValueError, "keep_mask must have"),
+    (_bad(keep_mask=jnp.ones((4, 10), jnp.int32)), TypeError, "keep_mask must be bool"),
+    (_bad(temperature=0.0), ValueError, "temperature"),
+    (_bad(temperature=-1.0), ValueError, "temperature"),
+    (_bad(chunk_size=0), ValueError, "chunk_size"),
+    (_bad(targets=jnp.asarray([0, 1, 10, 2], jnp.int32)), ValueError, "targets must lie in"),
+    (_bad(axis_name="tp", implementation="reference"), ValueError, "reference"),
+    (_bad(implementation="triton"), ValueError, "implementation"),
+], ids=["H", "weight_rank", "H0", "dtype_mix", "int_dtype", "targets_shape", "mask_shape",
+        "mask_dtype", "tau0", "tau_neg", "chunk0", "target_range", "reference_axis", "impl"])
+def test_bad_calls(call, error, fragment):
+    with pytest.raises(error, match=fragment):
+        call()
+
+
+# ------------------------------------------------------------------ vocab-parallel
+
+def test_vocab_parallel_in_subprocess():
+    """tests/_linear_head_worker.py on 4 fake CPU devices: 2 and 4 shards, check_vma True
+    and False, values and d hidden / d weight vs float64; the backward's collectives."""
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env["XLA_FLAGS"] = " ".join(flags + ["--xla_force_host_platform_device_count=4"])
+    env["JAX_PLATFORMS"] = "cpu"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [p for p in [env.get("PYTHONPATH")] if p])
+    done = subprocess.run([sys.executable, str(ROOT / "tests" / "_linear_head_worker.py")],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=1200)
+    assert done.returncode == 0, done.stderr[-6000:]
+    results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert results, done.stdout[-2000:]
+    print(json.dumps(json.loads(results[-1][len("RESULT "):]), indent=1))

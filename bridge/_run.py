@@ -249,7 +249,7 @@ def backward(plan: Plan, state: ForwardState | None, stats, d_log_prob, d_entrop
                   has_d_log_prob=d_log_prob is not None, has_d_entropy=d_entropy is not None,
                   implementation=plan.implementation, config=plan.config,
                   target_mode=plan.target_mode)
-    pieces, done = [], None
+    done = None
     for w, v, s, d in zip(plan.windows, views, j_stats, d_windows):
         j_d = xfer.to_jax(d)
         if write_through and can_write_into(v[0], v[2], plan.config):

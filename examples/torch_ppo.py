@@ -32,11 +32,7 @@ exits non-zero on a mismatch. `--bug` injects an error to show that the checks c
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.util
-import os
 import pathlib
-import socket
 import sys
 import time
 
@@ -46,7 +42,8 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing it
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+
+import _tp_ranks  # noqa: E402  (examples/, on sys.path when a script here runs)
 
 TEMPERATURE = 0.8
 CLIP = 0.2
@@ -109,23 +106,6 @@ def rel_l2(a, b):
 
 
 # ----------------------------------------------------------------------------- one rank
-
-def worker(rank, world, port, args, queue):
-    cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world, timeout=datetime.timedelta(seconds=120))
-    try:
-        result = run_rank(rank, world, device, args)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, result)
-        if rank == 0:
-            queue.put(gathered)
-    finally:
-        dist.destroy_process_group()
-
 
 def run_rank(rank, world, device, args):
     import warnings
@@ -210,12 +190,6 @@ def run_rank(rank, world, device, args):
 
 # ----------------------------------------------------------------------------- main
 
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cuda = torch.cuda.is_available()
@@ -229,26 +203,15 @@ def main(argv=None):
                         help=f"inject an error of relative size {BUG_SIZE:g} into the bridge's "
                              "gradient or its input (the checks must fail)")
     args = parser.parse_args(argv)
-    if args.tp is None:
-        args.tp = (2 if torch.cuda.device_count() >= 2 else 1) if args.device == "cuda" else 2
-    if args.device == "cuda" and args.tp > torch.cuda.device_count():
-        parser.error(f"--tp {args.tp} needs {args.tp} GPUs, found {torch.cuda.device_count()}")
-    if args.vocab % args.tp:
-        parser.error(f"--vocab {args.vocab} is not divisible by --tp {args.tp}")
+    _tp_ranks.resolve_tp(parser, args)
 
-    if importlib.util.find_spec("megatron") is None:
-        print("this example compares against Megatron-core: pip install megatron-core "
-              "(0.16.x for Python 3.11; its only hard dependencies are torch, numpy, packaging)")
+    if _tp_ranks.megatron_missing():
         return 2
     start = time.perf_counter()
     print(f"PPO step: {args.tokens} tokens, vocabulary {args.vocab} split over TP = {args.tp} "
           f"({args.device}, {'nccl' if args.device == 'cuda' else 'gloo'})"
           + (f"; injected bug: {args.bug} x (1 + {BUG_SIZE:g})" if args.bug else ""), flush=True)
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(worker, args=(args.tp, free_port(), args, queue), nprocs=args.tp,
-                       join=True, start_method="spawn")
-    results = queue.get()
+    results = _tp_ranks.run_ranks(run_rank, args)
 
     ok = True
     names = [c[0] for c in results[0]["checks"]]

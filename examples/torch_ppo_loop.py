@@ -33,11 +33,7 @@ a mismatch. `--bug grad-scale` scales the bridge's gradient by 1 + 5e-4 (the che
 from __future__ import annotations
 
 import argparse
-import datetime
-import importlib.util
-import os
 import pathlib
-import socket
 import sys
 import time
 
@@ -47,7 +43,8 @@ if str(ROOT) not in sys.path:  # run from a checkout without installing it
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import torch.multiprocessing as mp  # noqa: E402
+
+import _tp_ranks  # noqa: E402  (examples/, on sys.path when a script here runs)
 
 HIDDEN, LAYERS, HEADS = 64, 2, 4
 TEMPERATURE, CLIP, ENTROPY_COEF = 0.8, 0.2, 0.01
@@ -254,31 +251,6 @@ def run_rank(rank, world, device, args):
     return {"rank": rank, "log": log, "failures": failures}
 
 
-def worker(rank, world, port, args, queue):
-    cuda = args.device == "cuda"
-    if cuda:
-        torch.cuda.set_device(rank)
-    torch.set_num_threads(1)
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=300))
-    try:
-        result = run_rank(rank, world, device, args)
-        gathered = [None] * world
-        dist.all_gather_object(gathered, result)
-        if rank == 0:
-            queue.put(gathered)
-    finally:
-        dist.destroy_process_group()
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     cuda = torch.cuda.is_available()
@@ -292,27 +264,17 @@ def main(argv=None):
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if cuda else "cpu")
     parser.add_argument("--bug", choices=("grad-scale",), default=None)
     args = parser.parse_args(argv)
-    if args.tp is None:
-        args.tp = (2 if torch.cuda.device_count() >= 2 else 1) if args.device == "cuda" else 2
-    if args.device == "cuda" and args.tp > torch.cuda.device_count():
-        parser.error(f"--tp {args.tp} needs {args.tp} GPUs, found {torch.cuda.device_count()}")
-    if args.vocab % args.tp:
-        parser.error(f"--vocab {args.vocab} is not divisible by --tp {args.tp}")
+    _tp_ranks.resolve_tp(parser, args)
     if args.device == "cuda" and args.steps <= WARMUP_STEPS:
         parser.error(f"--steps must exceed the {WARMUP_STEPS} warm-up steps on CUDA")
-    if importlib.util.find_spec("megatron") is None:
-        print("this example compares against Megatron-core: pip install megatron-core")
+    if _tp_ranks.megatron_missing():
         return 2
 
     start = time.perf_counter()
     print(f"PPO loop: {args.steps} micro-batches of 1..{args.max_tokens} tokens, vocabulary "
           f"{args.vocab} over TP = {args.tp} ({args.device})"
           + (f"; injected bug: {args.bug}" if args.bug else ""), flush=True)
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    mp.start_processes(worker, args=(args.tp, free_port(), args, queue), nprocs=args.tp,
-                       join=True, start_method="spawn")
-    results = queue.get()
+    results = _tp_ranks.run_ranks(run_rank, args)
     print(" step     T  windows      loss  d params vs f64  vs Megatron  programs"
           + ("  MiB: torch reserved / live, JAX pool" if args.device == "cuda" else ""))
     for rows in zip(*(r["log"] for r in results)):

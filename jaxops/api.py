@@ -59,14 +59,9 @@ def logprob_entropy(
       values are unknown) those rows' log-prob is NaN.
     """
     impl, config = implementations.resolve(implementation, pallas_config=pallas_config)
-    validate.check_inputs(logits, targets, keep_mask, impl)
-    validate.check_flags(with_entropy=with_entropy, entropy_grad=entropy_grad)
-    tau = validate.check_temperature(temperature)
-    if axis_name is not None and impl == "reference":
-        raise ValueError("implementation='reference' is unsharded; it does not take axis_name")
-    validate.check_same_device(logits, targets)
-    if axis_name is None:
-        validate.check_targets_in_range(targets, logits.shape[-1])
+    tau = validate.check_op_call(
+        logits, targets, keep_mask, impl, temperature=temperature, with_entropy=with_entropy,
+        entropy_grad=entropy_grad, axis_name=axis_name, device_array=logits)
 
     lead_shape, num_vocab = tuple(logits.shape[:-1]), logits.shape[-1]
     num_tokens = int(np.prod(lead_shape))

@@ -230,14 +230,10 @@ def linear_logprob_entropy(
     _check_linear(hidden, weight, chunk_size, impl)
     lead_shape, num_vocab = tuple(hidden.shape[:-1]), weight.shape[0]
     logits_like = jax.ShapeDtypeStruct(lead_shape + (num_vocab,), hidden.dtype)
-    validate.check_inputs(logits_like, targets, keep_mask, impl)
-    validate.check_flags(with_entropy=with_entropy, entropy_grad=entropy_grad)
-    tau = validate.check_temperature(temperature)
-    if axis_name is not None and impl == "reference":
-        raise ValueError("implementation='reference' is unsharded; it does not take axis_name")
-    validate.check_same_device(hidden, targets)
-    if axis_name is None:
-        validate.check_targets_in_range(targets, num_vocab)
+    tau = validate.check_op_call(
+        logits_like, targets, keep_mask, impl, temperature=temperature,
+        with_entropy=with_entropy, entropy_grad=entropy_grad, axis_name=axis_name,
+        device_array=hidden)
 
     num_tokens = int(np.prod(lead_shape))
     if num_tokens == 0:

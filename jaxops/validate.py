@@ -1,4 +1,5 @@
-"""Argument checks shared by `api.logprob_entropy` and `sharding.vocab_parallel_logprob_entropy`.
+"""Argument checks shared by `api.logprob_entropy`, `linear.linear_logprob_entropy` and
+`sharding.vocab_parallel_logprob_entropy`.
 
 Everything that can be checked before any kernel runs raises TypeError / ValueError
 naming the argument. Only the range check of `targets` looks at values, and only in
@@ -100,6 +101,22 @@ def check_targets_in_range(targets, num_vocab):
         parts = [shard.data for shard in targets.addressable_shards]
     for part in parts:
         _check_values_in_range(np.asarray(part), num_vocab)
+
+
+def check_op_call(logits, targets, keep_mask, implementation: str, *, temperature,
+                  with_entropy, entropy_grad, axis_name, device_array) -> float:
+    """Every check of one call of the op (or of the op fused with its output layer, which
+    passes a `ShapeDtypeStruct` of its logits and its `hidden` as `device_array`), before
+    any kernel runs. Returns the temperature as a float."""
+    check_inputs(logits, targets, keep_mask, implementation)
+    check_flags(with_entropy=with_entropy, entropy_grad=entropy_grad)
+    tau = check_temperature(temperature)
+    if axis_name is not None and implementation == "reference":
+        raise ValueError("implementation='reference' is unsharded; it does not take axis_name")
+    check_same_device(device_array, targets)
+    if axis_name is None:
+        check_targets_in_range(targets, logits.shape[-1])
+    return tau
 
 
 def _check_values_in_range(host, num_vocab):

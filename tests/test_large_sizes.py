@@ -22,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxops
 from jaxops import pallas_gpu
 from jaxops.contract import BackwardCoefs
 

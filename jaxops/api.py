@@ -5,11 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 from jaxops import implementations, validate
-from jaxops.combine import combine
-from jaxops.contract import varying_axes
+from jaxops.combine import combine, shard_targets, unflatten
 from jaxops.pallas_config import PallasConfig
 from jaxops.reference import logprob_entropy_reference
 from jaxops.stats import local_stats
@@ -77,27 +75,12 @@ def logprob_entropy(
         log_prob, entropy = logprob_entropy_reference(
             flat_logits, flat_targets, flat_mask, tau, with_entropy, entropy_grad)
     else:
-        if axis_name is None:
-            vocab_start, total_vocab = 0, num_vocab
-        else:
-            vocab_start = lax.axis_index(axis_name) * num_vocab
-            total_vocab = lax.axis_size(axis_name) * num_vocab
-        targets_valid = (flat_targets >= 0) & (flat_targets < total_vocab)
-        local_targets = flat_targets.astype(jnp.int32) - vocab_start
-        if (impl == "pallas" and config.interpret
-                and varying_axes(flat_logits, local_targets, flat_mask)):
-            raise NotImplementedError(
-                "implementation='pallas' in interpret mode (off-GPU) cannot run inside "
-                "shard_map(check_vma=True): JAX's Pallas interpreter rejects inputs "
-                "typed as varying over mesh axes. Use check_vma=False, "
-                "implementation='xla', or jaxops.vocab_parallel_logprob_entropy; "
-                "compiled Pallas on GPU works in both modes.")
+        targets_valid, local_targets = shard_targets(flat_targets, num_vocab, axis_name)
+        validate.check_interpret_outside_vma(impl, config, flat_logits, local_targets,
+                                             flat_mask)
         stats = local_stats(flat_logits, local_targets, flat_mask, 1.0 / tau,
                             bool(with_entropy), bool(entropy_grad), impl, config)
         log_prob, entropy = combine(stats, targets_valid, entropy_grad=bool(entropy_grad),
                                     axis_name=axis_name)
 
-    log_prob = jnp.reshape(log_prob, lead_shape)
-    if entropy is not None:
-        entropy = jnp.reshape(entropy, lead_shape)
-    return log_prob, entropy
+    return unflatten(log_prob, entropy, lead_shape)

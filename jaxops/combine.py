@@ -75,3 +75,23 @@ def combine(
         if not entropy_grad:
             entropy = lax.stop_gradient(entropy)
     return log_prob, entropy
+
+
+def shard_targets(targets: jax.Array, num_vocab: int, axis_name=None):
+    """(targets_valid [T] bool, local_targets [T] int32) for this shard of `num_vocab`
+    columns: validity against the global vocabulary (R * V_loc with `axis_name`), and the
+    ids relative to this shard's first column (out of [0, V_loc) when elsewhere)."""
+    if axis_name is None:
+        vocab_start, total_vocab = 0, num_vocab
+    else:
+        vocab_start = lax.axis_index(axis_name) * num_vocab
+        total_vocab = lax.axis_size(axis_name) * num_vocab
+    valid = (targets >= 0) & (targets < total_vocab)
+    return valid, targets.astype(jnp.int32) - vocab_start
+
+
+def unflatten(log_prob, entropy, lead_shape):
+    """`[T]` outputs back to the caller's leading shape (entropy may be None)."""
+    return (jnp.reshape(log_prob, lead_shape),
+            None if entropy is None else jnp.reshape(entropy, lead_shape))
+

@@ -32,7 +32,7 @@ import numpy as np
 from jax import lax
 
 from jaxops import implementations, validate
-from jaxops.combine import combine
+from jaxops.combine import combine, shard_targets, unflatten
 from jaxops.contract import backward_coefs, varying_axes
 from jaxops.pallas_config import PallasConfig
 from jaxops.reference import logprob_entropy_reference
@@ -248,21 +248,13 @@ def linear_logprob_entropy(
             _logits(flat_hidden, weight), flat_targets, flat_mask, tau, with_entropy,
             entropy_grad)
     else:
-        if axis_name is None:
-            vocab_start, total_vocab = 0, num_vocab
-        else:
-            vocab_start = lax.axis_index(axis_name) * num_vocab
-            total_vocab = lax.axis_size(axis_name) * num_vocab
+        if axis_name is not None:
             # check_vma=True: hidden (replicated) becomes varying like the weight shard;
             # the transpose of that cast is the psum of the shards' d hidden.
             flat_hidden = _vary_like(flat_hidden, weight)
-        targets_valid = (flat_targets >= 0) & (flat_targets < total_vocab)
-        local_targets = flat_targets.astype(jnp.int32) - vocab_start
-        if impl == "pallas" and config.interpret and varying_axes(
-                flat_hidden, weight, local_targets, flat_mask):
-            raise NotImplementedError(
-                "implementation='pallas' in interpret mode (off-GPU) cannot run inside "
-                "shard_map(check_vma=True); use check_vma=False or implementation='xla'")
+        targets_valid, local_targets = shard_targets(flat_targets, num_vocab, axis_name)
+        validate.check_interpret_outside_vma(impl, config, flat_hidden, weight,
+                                             local_targets, flat_mask)
         chunk = chunk_size or default_chunk_size(num_tokens, num_vocab)
         stats = _linear_local_stats(flat_hidden, weight, local_targets, flat_mask, 1.0 / tau,
                                     bool(with_entropy), bool(entropy_grad), impl, config,
@@ -270,7 +262,4 @@ def linear_logprob_entropy(
         log_prob, entropy = combine(stats, targets_valid, entropy_grad=bool(entropy_grad),
                                     axis_name=axis_name)
 
-    log_prob = jnp.reshape(log_prob, lead_shape)
-    if entropy is not None:
-        entropy = jnp.reshape(entropy, lead_shape)
-    return log_prob, entropy
+    return unflatten(log_prob, entropy, lead_shape)

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxops.contract import varying_axes
+
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
@@ -117,6 +119,18 @@ def check_op_call(logits, targets, keep_mask, implementation: str, *, temperatur
     if axis_name is None:
         check_targets_in_range(targets, logits.shape[-1])
     return tau
+
+
+def check_interpret_outside_vma(implementation: str, config, *arrays) -> None:
+    """Pallas in interpret mode (off-GPU) cannot take inputs typed as varying over mesh
+    axes (inside `shard_map(check_vma=True)`): a clear error instead of JAX's."""
+    if implementation == "pallas" and config.interpret and varying_axes(*arrays):
+        raise NotImplementedError(
+            "implementation='pallas' in interpret mode (off-GPU) cannot run inside "
+            "shard_map(check_vma=True): JAX's Pallas interpreter rejects inputs "
+            "typed as varying over mesh axes. Use check_vma=False or "
+            "implementation='xla' (or, for logits, jaxops.vocab_parallel_logprob_entropy); "
+            "compiled Pallas on GPU works in both modes.")
 
 
 def _check_values_in_range(host, num_vocab):

@@ -3,7 +3,7 @@ autograd.Function + kernel (the floor) vs one jitted JAX vjp, at T=16 V=1024 fp3
 V=18992 bf16; a varying-T sequence; a cProfile of the small call. Results in
 benchmarks/results/h200_bridge_host_probe.json (run: python benchmarks/host_probe.py).
 """
-import os, sys, time, cProfile, pstats, io, json
+import os, time, cProfile, pstats, io, json
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import torch
 import bridge
@@ -12,6 +12,12 @@ import jax, jax.numpy as jnp
 import jaxops
 dev = torch.device("cuda", 0)
 res = {}
+
+
+@jax.jit
+def jvjp(a, b, c):  # one jitted JAX forward+backward of the op (the JAX baseline)
+    (lp, h), vjp = jax.vjp(lambda z: jaxops.logprob_entropy(z, b), a)
+    return vjp((c, c))[0]
 
 def timeit(fn, n, warm=10):
     for _ in range(warm): fn()
@@ -45,10 +51,6 @@ for T, V, dt in [(16, 1024, torch.float32), (8192, 18992, torch.bfloat16)]:
     jx = jnp.asarray(x.detach().float().cpu().numpy()).astype(jnp.bfloat16 if dt == torch.bfloat16 else jnp.float32)
     jy = jnp.asarray(y.cpu().numpy()).astype(jnp.int32)
     jg = jnp.asarray(g.cpu().numpy())
-    @jax.jit
-    def jvjp(a, b, c):
-        (lp, h), vjp = jax.vjp(lambda z: jaxops.logprob_entropy(z, b), a)
-        return vjp((c, c))[0]
     def jstep():
         jvjp(jx, jy, jg).block_until_ready()
     n = 300 if T == 16 else 100
@@ -80,10 +82,6 @@ third = run_seq(Ts2); c3 = _jaxfns.compiled_programs()
 fixed = run_seq([16384] * 40)
 jbig = jnp.asarray(big.float().cpu().numpy()).astype(jnp.bfloat16)
 jys = jnp.asarray(ys.cpu().numpy()).astype(jnp.int32); jgs = jnp.asarray(gs.cpu().numpy())
-@jax.jit
-def jvjp(a, b, c):
-    (lp, h), vjp = jax.vjp(lambda z: jaxops.logprob_entropy(z, b), a)
-    return vjp((c, c))[0]
 slices = {T: (jbig[:T], jys[:T], jgs[:T]) for T in set(Ts)}
 for T in set(Ts): jvjp(*slices[T]).block_until_ready()
 t0 = time.perf_counter()

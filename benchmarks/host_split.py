@@ -26,7 +26,6 @@ def bwd_only():
 def fwd_only():
     bridge.logprob_entropy(x, y)
 from bridge import _run
-from bridge.op import _EagerFunction
 def impl_only():  # forward + backward without torch autograd
     plan = _run.Plan(x, y, None, "")
     out, _, st = _run.forward(plan, 1.0, True, "", 0, 1, want_stats=False)

@@ -146,12 +146,12 @@ def test_varying_t_matches_one_call_and_compiles_a_bounded_set(masked):
         lp, h = bridge.logprob_entropy(x, y, keep_mask=mask, temperature=0.7)
         (g,) = torch.autograd.grad([lp, h], x, [g1, g2])
 
-        def op(z):
+        def jax_op(z):
             return jaxops.logprob_entropy(
                 z, jnp.asarray(y.numpy()), temperature=0.7, implementation="xla",
                 keep_mask=None if mask is None else jnp.asarray(mask.numpy()))
 
-        (lp_j, h_j), vjp = jax.vjp(op, jnp.asarray(x.detach().numpy()))
+        (lp_j, h_j), vjp = jax.vjp(jax_op, jnp.asarray(x.detach().numpy()))
         (g_j,) = vjp((jnp.asarray(g1.numpy()), jnp.asarray(g2.numpy())))
         for got, want in ((lp, lp_j), (h, h_j), (g, g_j)):
             np.testing.assert_allclose(got.detach().numpy(), np.asarray(want),

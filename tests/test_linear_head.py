@@ -11,7 +11,6 @@ CPU devices (tests/_linear_head_worker.py); a lowering check shows no `[T, V_loc
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re

@@ -48,11 +48,18 @@ def default_chunk_size(num_tokens: int, local_vocab: int) -> int:
     return max(1, min(num_tokens, rows))
 
 
+def _dot(a, b, dims, out_dtype):
+    """`lax.dot_general` at full precision for float32/float64 operands: XLA's default
+    on GPUs rounds fp32 operands to TF32 (10-bit mantissa), a 1e-3 relative error in
+    the logits, far beyond design §8. bf16/fp16 operands are exact products anyway."""
+    wide = jnp.dtype(a.dtype).itemsize >= 4 or jnp.dtype(b.dtype).itemsize >= 4
+    return lax.dot_general(a, b, (dims, ((), ())), preferred_element_type=out_dtype,
+                           precision=lax.Precision.HIGHEST if wide else None)
+
+
 def _logits(hidden_c, weight):
     """[C, H] @ [V_loc, H]^T with fp32 accumulation, kept in fp32 (float64 stays float64)."""
-    out = jnp.promote_types(hidden_c.dtype, jnp.float32)
-    return lax.dot_general(hidden_c, weight, (((1,), (1,)), ((), ())),
-                           preferred_element_type=out)
+    return _dot(hidden_c, weight, ((1,), (1,)), jnp.promote_types(hidden_c.dtype, jnp.float32))
 
 
 def _vary_like(x, *like):
@@ -113,11 +120,19 @@ def _linear_local_stats_fwd(hidden, weight, local_targets, keep_mask, inv_tau, w
     return stats, residuals
 
 
-def _linear_local_stats_bwd(inv_tau, with_entropy, entropy_grad, implementation, config,
-                            chunk, residuals, cotangents):
-    hidden, weight, local_targets, keep_mask, max_logit, masked_max = residuals
+def chunked_backward(hidden, weight, local_targets, keep_mask, max_logit, masked_max, coefs, *,
+                     inv_tau, implementation, config, chunk, d_weight=None,
+                     want_d_hidden=True):
+    """The backward's chunk loop: recompute each chunk's logits, form its d logits and
+    contract them at once into d hidden and d weight.
+
+    hidden `[T, H]`, weight `[V_loc, H]`, local_targets/max_logit/masked_max/coefs `[T]`,
+    keep_mask `[T, V_loc]` or None. `d_weight`: an accumulator `[V_loc, H]` (fp32, or
+    float64 for float64 inputs) that this call adds its rows' d weight to -- callers
+    that cut T into pieces (the PyTorch bridge's row windows) chain it through them and
+    round once at the end; None: d weight is not computed. Returns (d hidden `[T, H]` in
+    hidden's dtype or None without `want_d_hidden`, the accumulator or None)."""
     kernels = implementations.kernels(implementation)
-    coefs = backward_coefs(cotangents, with_entropy and entropy_grad, keep_mask is not None)
     acc = jnp.promote_types(weight.dtype, jnp.float32)
 
     def body(d_weight, xs_c):
@@ -125,18 +140,33 @@ def _linear_local_stats_bwd(inv_tau, with_entropy, entropy_grad, implementation,
         d_logits = kernels.backward_logits(
             _logits(hidden_c, weight), targets_c, mask_c, max_c, masked_max_c, coefs_c,
             inv_tau=inv_tau, config=config)  # [C, V_loc] fp32, like the logits
-        d_hidden_c = lax.dot_general(d_logits, weight, (((1,), (0,)), ((), ())),
-                                     preferred_element_type=acc)
-        d_weight = d_weight + lax.dot_general(d_logits, hidden_c, (((0,), (0,)), ((), ())),
-                                              preferred_element_type=acc)
-        return d_weight, d_hidden_c.astype(hidden.dtype)
+        # The GEMMs take d logits in the inputs' dtype, as the unfused op's gradient of
+        # bf16 logits is: an fp32 operand would turn both into fp32 GEMMs (~10x slower).
+        d_logits = d_logits.astype(jnp.promote_types(hidden.dtype, weight.dtype))
+        d_hidden_c = None
+        if want_d_hidden:
+            d_hidden_c = _dot(d_logits, weight, ((1,), (0,)), acc).astype(hidden.dtype)
+        if d_weight is not None:
+            d_weight = d_weight + _dot(d_logits, hidden_c, ((0,), (0,)), d_weight.dtype)
+        return d_weight, d_hidden_c
 
+    d_weight, d_hidden = _over_chunks(
+        body, d_weight, (hidden, local_targets, keep_mask, max_logit, masked_max, coefs),
+        hidden.shape[0], chunk)
+    return d_hidden, d_weight
+
+
+def _linear_local_stats_bwd(inv_tau, with_entropy, entropy_grad, implementation, config,
+                            chunk, residuals, cotangents):
+    hidden, weight, local_targets, keep_mask, max_logit, masked_max = residuals
+    coefs = backward_coefs(cotangents, with_entropy and entropy_grad, keep_mask is not None)
+    acc = jnp.promote_types(weight.dtype, jnp.float32)
     # Under check_vma=True the scan's carry must vary over the axes the weight shard does.
     d_weight0 = _vary_like(jnp.zeros(weight.shape, acc), weight)
-    d_weight, d_hidden = _over_chunks(
-        body, d_weight0,
-        (hidden, local_targets, keep_mask, max_logit, masked_max, coefs),
-        hidden.shape[0], chunk)
+    d_hidden, d_weight = chunked_backward(
+        hidden, weight, local_targets, keep_mask, max_logit, masked_max, coefs,
+        inv_tau=inv_tau, implementation=implementation, config=config, chunk=chunk,
+        d_weight=d_weight0)
     return d_hidden, d_weight.astype(weight.dtype), None, None
 
 

@@ -1,0 +1,80 @@
+"""The JAX side of `bridge.linear_logprob_entropy`: one jitted function per static
+configuration, as in `_jaxfns.py` (and counted by `_jaxfns.compiled_programs()`).
+
+Each function runs on one row window (`_windows.py`) of `hidden [b, H]` with the whole
+`weight [V_loc, H]`, so it compiles once per window size b, never per T. The chunk
+size is resolved per window size inside the trace (`linear_staged.chunk_rows`).
+
+Packed layouts as in `_jaxfns.py`: `outputs [n_out, b]`, `stats [K, b]`, incoming
+gradients token-major `d_out [b, n]`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from bridge._jaxfns import _cached, _pack_outputs, decode_targets
+from jaxops import linear_staged, staged
+
+
+@_cached
+def local_forward(*, shard_index, world, inv_tau, with_entropy, masked, implementation,
+                  config, target_mode, chunk_size):
+    """world == 1: (outputs [n_out, b], stats [1, K, b]); else this shard's stats [K, b]."""
+
+    def fn(hidden, weight, raw_targets, keep_mask):
+        targets = decode_targets(raw_targets, target_mode)
+        chunk = linear_staged.chunk_rows(hidden.shape[0], weight.shape[0], chunk_size)
+        packed = linear_staged.local_forward(
+            hidden, weight, targets, keep_mask if masked else None, shard_index,
+            inv_tau=inv_tau, with_entropy=with_entropy, implementation=implementation,
+            config=config, chunk=chunk)
+        if world > 1:
+            return packed
+        gathered = packed[None]
+        log_prob, entropy = staged.combine_gathered(
+            gathered, targets, num_vocab=weight.shape[0], with_entropy=with_entropy,
+            masked=masked)
+        return _pack_outputs(log_prob, entropy), gathered
+
+    return jax.jit(fn)
+
+
+@_cached
+def zero_accumulator():
+    """fn(weight, after) -> fp32 zeros shaped like `weight`. `after` (any array imported
+    for this call) is an argument, kept although unused, so that this computation --
+    like every other of a bridge call -- waits for the import that ordered JAX after
+    torch's stream before it writes memory that torch may just have released to JAX."""
+    return jax.jit(lambda weight, after: jnp.zeros(weight.shape, jnp.float32),
+                   keep_unused=True)
+
+
+@_cached
+def round_accumulator(*, dtype):
+    return jax.jit(lambda acc: acc.astype(dtype))
+
+
+@_cached
+def local_backward(*, shard_index, inv_tau, with_entropy, entropy_grad, masked,
+                   has_d_log_prob, has_d_entropy, implementation, config, target_mode,
+                   chunk_size, want_d_hidden, want_d_weight):
+    """fn(hidden, weight, raw_targets, keep_mask, gathered [R, K, b], d_out [b, n], acc)
+    -> (d hidden [b, H] or None, acc + this window's d weight, fp32 [V_loc, H], or None).
+
+    `acc` (None without `want_d_weight`) is donated: the windows of a call chain one
+    fp32 accumulator through, with no second copy alive."""
+
+    def fn(hidden, weight, raw_targets, keep_mask, gathered, d_out, acc):
+        targets = decode_targets(raw_targets, target_mode)
+        chunk = linear_staged.chunk_rows(hidden.shape[0], weight.shape[0], chunk_size)
+        return linear_staged.local_backward(
+            hidden, weight, targets, keep_mask if masked else None, gathered, shard_index,
+            d_out[:, 0] if has_d_log_prob else None,
+            d_out[:, -1] if has_d_entropy else None,
+            acc if want_d_weight else None, inv_tau=inv_tau, with_entropy=with_entropy,
+            entropy_grad=entropy_grad, implementation=implementation, config=config,
+            chunk=chunk, want_d_hidden=want_d_hidden)
+
+    return jax.jit(fn, donate_argnums=(6,) if want_d_weight else ())

@@ -1,0 +1,80 @@
+"""The fused output layer split at its one collective, for callers that run their own
+(the PyTorch bridge's `bridge.linear_logprob_entropy`). `staged.py` for `linear.py`:
+
+    packed = local_forward(hidden, weight, targets, ...)       # this shard: [K, T] float32
+    gathered = <all-gather packed over the vocab shards>       # [R, K, T], vocab order
+    log_prob, entropy = staged.combine_gathered(gathered, targets, ...)
+    d_hidden, d_weight_acc = local_backward(hidden, weight, targets, gathered, ...,
+                                            d_weight_acc)
+
+Both walk the rows in chunks of `chunk` (`linear._over_chunks`), so no `[T, V_loc]`
+logits or gradient exist beyond one `[chunk, V_loc]` fp32 chunk. `local_backward`
+needs no collective: the cotangent of this shard's statistics is the VJP of the
+combine with respect to its own row of `gathered` (as in `staged.local_backward`).
+Its `d hidden` is this shard's part of the sum over shards; summing it (or not) is
+the caller's business. `d_weight_acc` is an fp32 `[V_loc, H]` accumulator the call
+adds its rows' `d weight` to, so that a caller that cuts T into pieces rounds d weight
+to the weight's dtype once, after the last piece.
+
+Not jitted here: the bridge jits each configuration itself (`bridge/_linear_jaxfns.py`).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxops.contract import backward_coefs
+from jaxops.linear import _linear_local_stats, chunked_backward, default_chunk_size
+from jaxops.pallas_config import PallasConfig
+from jaxops.staged import _combine_stack, _local_targets, _pack, _unpack
+
+
+def chunk_rows(num_tokens: int, local_vocab: int, chunk_size: int | None) -> int:
+    """Rows per chunk for `num_tokens` rows: `chunk_size` (None: `default_chunk_size`),
+    capped at `num_tokens`."""
+    return max(1, min(num_tokens, chunk_size or default_chunk_size(num_tokens, local_vocab)))
+
+
+def local_forward(hidden, weight, targets, keep_mask, shard_index, *, inv_tau: float,
+                  with_entropy: bool, implementation: str, config: PallasConfig | None,
+                  chunk: int) -> jax.Array:
+    """This shard's statistics of `hidden [T, H] @ weight [V_loc, H]^T`, packed as
+    `[K, T]` float32 (`staged.num_packed`). `targets [T]` are global ids."""
+    local_targets = _local_targets(targets, shard_index, weight.shape[0])
+    stats = _linear_local_stats(hidden, weight, local_targets, keep_mask, inv_tau,
+                                with_entropy, True, implementation, config, chunk)
+    return _pack(stats, with_entropy, keep_mask is not None)
+
+
+def local_backward(hidden, weight, targets, keep_mask, gathered, shard_index, d_log_prob,
+                   d_entropy, d_weight_acc, *, inv_tau: float, with_entropy: bool,
+                   entropy_grad: bool, implementation: str, config: PallasConfig | None,
+                   chunk: int, want_d_hidden: bool = True):
+    """(d hidden `[T, H]` (hidden's dtype; this shard's part) or None,
+    `d_weight_acc` + this call's d weight `[V_loc, H]` fp32, or None if it is None).
+
+    `gathered [R, K, T]`: every shard's packed statistics; `d_log_prob [T]` float32 (or
+    None), `d_entropy [T]` or None: the incoming cotangents."""
+    masked = keep_mask is not None
+    num_vocab = weight.shape[0]
+    total_vocab = num_vocab * gathered.shape[0]
+
+    def outputs(own):
+        stacked = gathered.at[shard_index].set(own)
+        return _combine_stack(stacked, targets, total_vocab, with_entropy, masked, entropy_grad)
+
+    _, vjp = jax.vjp(outputs, gathered[shard_index])
+    if d_log_prob is None:
+        d_log_prob = jnp.zeros(targets.shape, jnp.float32)
+    if with_entropy and d_entropy is None:
+        d_entropy = jnp.zeros_like(d_log_prob)
+    (d_packed,) = vjp((d_log_prob, d_entropy if with_entropy else None))
+    coefs = backward_coefs(_unpack(d_packed, with_entropy, masked),
+                           with_entropy and entropy_grad, masked)
+    own = _unpack(gathered[shard_index], with_entropy, masked)
+    return chunked_backward(
+        hidden, weight, _local_targets(targets, shard_index, num_vocab), keep_mask,
+        own.max_logit, own.masked_max, coefs, inv_tau=inv_tau,
+        implementation=implementation, config=config, chunk=chunk, d_weight=d_weight_acc,
+        want_d_hidden=want_d_hidden)

@@ -1,12 +1,16 @@
 """The implementations of the op, by name, and the one policy for choosing and configuring one.
 
-  "pallas"     Pallas kernels (`pallas_gpu.py`): compiled for the GPU, run in interpret
-               mode elsewhere (slow; for tests).
+  "pallas"     Pallas kernels: for now the same as "pallas_triton" (which backend it
+               means is decided after the H200 measurements of issue 14).
+  "pallas_triton"  Pallas kernels lowered through Triton (`pallas_gpu.py`): compiled for
+               the GPU, run in interpret mode elsewhere (slow; for tests).
+  "pallas_mosaic"  Pallas kernels lowered through Mosaic GPU (`pallas_mosaic.py`, Hopper
+               and newer), launch parameters `MosaicConfig`; interpret mode elsewhere.
   "xla"        the same statistics in fused `jnp` (`xla.py`): the CPU path.
   "reference"  the executable definition (`reference.py`), unsharded; no statistics.
 
 The statistics modules are imported on first use (`kernels`), so that `import jaxops`
-does not load Pallas's Triton lowering.
+does not load a Pallas lowering (Triton or Mosaic GPU).
 """
 
 from __future__ import annotations
@@ -15,13 +19,21 @@ import dataclasses
 import importlib
 from types import ModuleType
 
-from jaxops.pallas_config import PallasConfig
+from jaxops.pallas_config import MosaicConfig, PallasConfig
 
-IMPLEMENTATIONS = ("pallas", "xla", "reference")
+IMPLEMENTATIONS = ("pallas", "pallas_triton", "pallas_mosaic", "xla", "reference")
 # The implementations that compute per-shard statistics: name -> module providing
 # `forward_stats` and `backward_logits` (see `contract.py`).
-_KERNEL_MODULES = {"pallas": "jaxops.pallas_gpu", "xla": "jaxops.xla"}
+_KERNEL_MODULES = {"pallas": "jaxops.pallas_gpu", "pallas_triton": "jaxops.pallas_gpu",
+                   "pallas_mosaic": "jaxops.pallas_mosaic", "xla": "jaxops.xla"}
+_PALLAS = ("pallas", "pallas_triton", "pallas_mosaic")
 _GPU_PLATFORMS = ("gpu", "cuda")
+
+
+def is_pallas(implementation: str | None) -> bool:
+    """Whether `implementation` names Pallas kernels (which take a config and may run in
+    interpret mode)."""
+    return implementation in _PALLAS
 
 
 def _platform(platform: str | None) -> str:
@@ -39,23 +51,30 @@ def default(platform: str | None = None) -> str:
 
 
 def resolve(implementation: str | None, platform: str | None = None,
-            pallas_config: PallasConfig | None = None) -> tuple[str, PallasConfig | None]:
+            pallas_config: PallasConfig | MosaicConfig | None = None,
+            ) -> tuple[str, PallasConfig | MosaicConfig | None]:
     """(implementation name, its launch config) for a call on `platform`.
 
     `implementation`: None (the `default` for the platform) or one of IMPLEMENTATIONS;
     anything else raises ValueError. `platform` as for `default`. For "pallas" the
     config is `pallas_config` (or the defaults) with interpret mode switched on off-GPU,
     where the kernels cannot be compiled; the other implementations take no config
-    (None).
+    (None). "pallas_mosaic" takes a `MosaicConfig`; given a `PallasConfig` (the
+    Triton kernels' parameters) it keeps only its `interpret` flag.
     """
     if implementation not in (None, *IMPLEMENTATIONS):
         raise ValueError(
             f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
     platform = _platform(platform)
     name = implementation or default(platform)
-    if name != "pallas":
+    if not is_pallas(name):
         return name, None
-    config = pallas_config or PallasConfig()
+    if name == "pallas_mosaic":
+        config = (pallas_config if isinstance(pallas_config, MosaicConfig)
+                  else MosaicConfig(interpret=getattr(pallas_config, "interpret", False)))
+    else:
+        config = (pallas_config if isinstance(pallas_config, PallasConfig)
+                  else PallasConfig(interpret=getattr(pallas_config, "interpret", False)))
     if platform not in _GPU_PLATFORMS and not config.interpret:
         config = dataclasses.replace(config, interpret=True)
     return name, config

@@ -72,3 +72,39 @@ def with_tuned_defaults(config: PallasConfig, num_vocab: int, *, masked: bool, i
         scalar_sums=(narrow and with_entropy and not backward if config.scalar_sums is None
                      else config.scalar_sums),
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicConfig:
+    """Launch parameters of the Mosaic GPU kernels (`pallas_mosaic.py`); `None` fields
+    take the defaults of `mosaic_defaults`. Untuned first guesses (issue 14): the
+    lead measures them on the H200."""
+
+    # Vocabulary columns per tile; a CTA holds [64, block_v] tiles (multiple of 64).
+    block_v: int | None = None
+    # Tiles in flight per CTA (TMA pipeline depth).
+    num_stages: int | None = None
+    # Vocabulary columns per CTA: the grid is (row blocks, ceil(V_loc / chunk_v)) so
+    # that small T still fills the GPU. A function of V_loc only, never of T (a row's
+    # result must not depend on the batch); chunks are balanced to whole tiles.
+    chunk_v: int | None = None
+    # ex2.approx for exp2 (as PallasConfig.approx_exp2).
+    approx_math: bool = True
+    interpret: bool = False
+
+
+def mosaic_defaults(config: MosaicConfig, *, itemsize: int, masked: bool,
+                    backward: bool) -> MosaicConfig:
+    """`config` with its `None` fields filled in for one kernel launch.
+
+    Shared memory per CTA is num_stages * (tile + mask tile [+ gradient tile]); the
+    defaults keep it near 100-130 KiB, so one or two CTAs fit an SM's 227 KiB."""
+    block_v = config.block_v or 128
+    if block_v % 64 or block_v <= 0:
+        raise ValueError(f"block_v must be a positive multiple of 64, got {block_v}")
+    tile = 64 * block_v * itemsize
+    per_stage = tile * (2 if backward else 1) + (64 * block_v if masked else 0)
+    num_stages = config.num_stages or max(2, min(6, (128 * 1024) // per_stage))
+    return dataclasses.replace(
+        config, block_v=block_v, num_stages=num_stages,
+        chunk_v=config.chunk_v or 4096)

@@ -46,7 +46,7 @@ def _uses_check_vma(implementation: str, config: PallasConfig | None) -> bool:
     check_vma=False, where the backward costs one extra O(T) psum. Takes what
     `implementations.resolve` returns.
     """
-    return not (implementation == "pallas" and config.interpret)
+    return not (implementations.is_pallas(implementation) and config.interpret)
 
 
 def vocab_parallel_logprob_entropy(

@@ -124,7 +124,7 @@ def check_op_call(logits, targets, keep_mask, implementation: str, *, temperatur
 def check_interpret_outside_vma(implementation: str, config, *arrays) -> None:
     """Pallas in interpret mode (off-GPU) cannot take inputs typed as varying over mesh
     axes (inside `shard_map(check_vma=True)`): a clear error instead of JAX's."""
-    if implementation == "pallas" and config.interpret and varying_axes(*arrays):
+    if implementation.startswith("pallas") and config.interpret and varying_axes(*arrays):
         raise NotImplementedError(
             "implementation='pallas' in interpret mode (off-GPU) cannot run inside "
             "shard_map(check_vma=True): JAX's Pallas interpreter rejects inputs "

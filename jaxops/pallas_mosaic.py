@@ -1,0 +1,500 @@
+"""Pallas kernels lowered through Mosaic GPU (Hopper, sm_90+) for the shard statistics
+and their gradient (issue 14).
+
+Same contract as `pallas_gpu.py` (`contract.py`); launch parameters are
+`pallas_config.MosaicConfig`. On CPU the kernels run in Mosaic GPU's interpret mode.
+
+Shape of the work. A CTA (one warpgroup, 128 threads) owns a block of 64 rows and
+one *chunk* of the vocabulary; it streams [64, block_v] tiles of logits (and of the
+keep mask) from HBM into shared memory with TMA, `num_stages` tiles in flight
+(`plgpu.emit_pipeline`), and reads each tile into registers in the WGMMA layout,
+where a row's elements sit in 4 lanes of one warp: a per-row reduction along the
+vocabulary is a per-thread reduction plus two shuffles. Row tails are TMA bounds
+(zero fill on load, clipped on store); the vocabulary tail is masked with an iota.
+
+Batch invariance. Every row goes through the same instruction sequence whatever T
+is and wherever the row sits: the chunking of the vocabulary is a function of V_loc
+alone, the 64 rows of a block are reduced independently of each other, and the
+per-chunk partial statistics are combined in plain JAX, elementwise per row, in a
+fixed chunk order (`_combine`). Small T still fills the GPU because the grid is
+(row blocks x vocabulary chunks).
+
+The target logit and the target's own mask bit are read outside the kernel (a [T]
+gather); the forward kernel needs no targets. The masked log-sum-exp is exact
+(`masked_max` is the kept maximum, as in `xla.py`), in the same single pass.
+
+TMA needs 16-byte-aligned row strides: the logits' V_loc * itemsize and, with a
+mask, V_loc itself must be multiples of 16; other shapes fall back to the XLA
+implementation with a warning (`_supported`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxops.contract import NEG, BackwardCoefs, LocalStats, varying_struct
+from jaxops.pallas_config import MosaicConfig, mosaic_defaults
+
+__all__ = ["MosaicConfig", "backward_logits", "forward_stats"]  # MosaicConfig: re-exported
+
+_ROWS = 64  # rows per CTA: the M extent of the WGMMA register layout
+_EXCLUDED = 2 * NEG  # as in pallas_gpu.py: strictly below the running max's start NEG
+_LOG2E = 1.4426950408889634
+_LN2 = 0.6931471805599453
+
+
+# --- version shims (jax 0.10.2 and 0.11.2 checked) -------------------------------------
+
+def _interpret_params():
+    """Mosaic GPU's own interpreter (GMEM/SMEM, TMA, barriers simulated on CPU).
+
+    `interpret=True` would select the generic Pallas interpreter, which has no rule
+    for TMA copies. Public as `plgpu.InterpretGPUParams` from jax 0.11; in 0.10 only
+    under `jax._src`. Out-of-bounds TMA reads must not raise: on the GPU they
+    zero-fill, here they read an "uninitialized" value (NaN for floats), which the
+    kernels mask like any padding."""
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    if params is None:
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params
+    return params(out_of_bounds_reads="uninitialized")
+
+
+def _compiler_params(config: MosaicConfig):
+    # Lane semantics pinned: the default changed from Lane (0.10) to Warpgroup (0.11);
+    # the layouts below are chosen explicitly, which is what Lane semantics means.
+    return plgpu.CompilerParams(approx_math=config.approx_math,
+                                lowering_semantics=plgpu.LoweringSemantics.Lane)
+
+
+def _layout(x, layout, config: MosaicConfig):
+    # The 0.10 interpreter has no rule for layout_cast; layouts mean nothing there.
+    return x if config.interpret else plgpu.layout_cast(x, layout)
+
+
+def _read(ref, layout, config: MosaicConfig):
+    """A whole SMEM (or GMEM) ref as a register array in `layout`.
+
+    `ref[...]` immediately followed by a layout cast is how the Lane lowering
+    learns the layout to load in (`plgpu.load` has no interpret rule in 0.10 and
+    deprecates its index argument in 0.11)."""
+    return _layout(ref[...], layout, config)
+
+
+def _read_unoptimized(ref, layout, config: MosaicConfig):
+    """As `_read`, allowing a load with shared-memory bank conflicts (the mask tile
+    where V_loc admits no swizzle, see `_transforms`)."""
+    if config.interpret:
+        return ref[...]
+    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+        return plgpu.load(ref, (), layout=layout, optimized=False)  # jax 0.10
+    return plgpu.load(ref, layout=layout, optimized=False)  # 0.11: index the ref instead
+
+
+def _rows_layout():
+    return plgpu.Layout.WGMMA.reduce(1)
+
+
+def _row_vector(value, dtype, config):
+    return _layout(jnp.full((_ROWS,), value, dtype), _rows_layout(), config)
+
+
+def _per_col(row_vec, shape):
+    return lax.broadcast_in_dim(row_vec, shape, (0,))
+
+
+# --- shapes, tiles, chunks ---------------------------------------------------------------
+
+def _supported(num_vocab: int, itemsize: int, masked: bool) -> bool:
+    """Shapes the kernels take; the others fall back to the XLA implementation.
+
+    TMA needs 16-byte-aligned row strides (the mask: V_loc % 16 == 0); the logits
+    tile is also swizzled (at least 32 bytes wide), which TMA tiles only if the
+    swizzle width divides V_loc (fp32: V_loc % 8, bf16: V_loc % 16)."""
+    return num_vocab % (32 // itemsize) == 0 and (not masked or num_vocab % 16 == 0)
+
+
+def _transforms(num_vocab: int, itemsize: int, block_v: int):
+    """SMEM tiling + swizzle for a [64, block_v] tile, or () where V_loc admits none.
+
+    The WGMMA-layout load from (and store to) SMEM is free of bank conflicts only
+    from a tiled, swizzled tile; TMA fills one only if the tile width divides the
+    GMEM row, so the widest swizzle whose width divides V_loc is used (128 bytes
+    for V = 151,936; 64 for fp32 at V_loc = 18,992)."""
+    for swizzle in (128, 64, 32):
+        width = swizzle // itemsize
+        if num_vocab % width == 0 and block_v % width == 0:
+            return (plgpu.TilingTransform((8, width)), plgpu.SwizzleTransform(swizzle))
+    return ()
+
+
+def _mask_bytes(keep_mask):
+    """The keep mask as bytes: Mosaic GPU types bool refs as 1-bit (i1), so a bool
+    array cannot be copied with TMA. Costs one pass over the mask in XLA (T * V_loc
+    bytes read and written) per kernel call: callers that can hand over uint8 masks
+    avoid it."""
+    if keep_mask.dtype in (jnp.uint8, jnp.int8):
+        return keep_mask
+    return keep_mask.astype(jnp.uint8)
+
+
+def _chunking(num_vocab: int, block_v: int, chunk_v: int):
+    """(tiles, chunks, tiles per chunk): a function of V_loc and the config only,
+    never of T (batch invariance).
+
+    Every chunk has the same static number of tiles (emit_pipeline's grid stays
+    static); the last chunk is shifted back to end at the last tile, and the tiles
+    it shares with its neighbour are masked out of its statistics (forward) or
+    written twice with the same values (backward). The tiles per chunk are chosen
+    near chunk_v / block_v so that this overlap is as small as possible (V = 151,936
+    at 128-column tiles: 1187 tiles = 36 chunks of 33 minus one)."""
+    tiles = pl.cdiv(num_vocab, block_v)
+    target = max(1, chunk_v // block_v)
+    if tiles <= target:
+        return tiles, 1, tiles
+    candidates = range(max(1, target // 2), target + target // 2 + 1)
+    per_chunk = min(candidates,
+                    key=lambda n: (pl.cdiv(tiles, n) * n - tiles, abs(n - target)))
+    return tiles, pl.cdiv(tiles, per_chunk), per_chunk
+
+
+def _chunk_start(chunk, tiles: int, per_chunk: int):
+    """(first tile this CTA loads, first tile it owns)."""
+    owned = chunk * per_chunk
+    return jnp.minimum(owned, tiles - per_chunk), owned
+
+
+def _warn_fallback(what: str):
+    warnings.warn(
+        f"pallas_mosaic: {what}: V_loc must be a multiple of 32 bytes of logits (and, "
+        "with a keep mask, of 16) for the TMA tiles; computing this call with the XLA "
+        "implementation instead.", RuntimeWarning, stacklevel=3)
+
+
+def _neg_reference(max_x):
+    """-m * log2(e) for a row max m in units of x (as pallas_gpu.py)."""
+    return -(max_x * _LOG2E)
+
+
+# --- forward -----------------------------------------------------------------------------
+
+def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, itemsize):
+    refs = list(refs)
+    logits_ref = refs.pop(0)
+    mask_ref = refs.pop(0) if masked else None
+    num_out = 2 + with_entropy + 2 * masked
+    out_refs, smem_refs = refs[:num_out], refs[num_out:2 * num_out]
+    block_v = config.block_v
+    tiles, _, per_chunk = _chunking(num_vocab, block_v, config.chunk_v)
+    row_block = lax.axis_index("rows")
+    chunk = lax.axis_index("chunks")
+    first_tile, first_owned = _chunk_start(chunk, tiles, per_chunk)
+    scale = inv_tau * _LOG2E
+    shape = (_ROWS, block_v)
+    wgmma = plgpu.Layout.WGMMA
+    mask_transforms = _transforms(num_vocab, 1, block_v) if masked else ()
+
+    def read_mask(ref):
+        if mask_transforms:
+            return _read(ref, wgmma, config) != 0
+        return _read_unoptimized(ref, wgmma, config) != 0
+
+    def step(indices, *tile_refs_and_carry):
+        (j,) = indices
+        if masked:
+            logits_smem, mask_smem, carry = tile_refs_and_carry
+        else:
+            logits_smem, carry = tile_refs_and_carry
+        row_max, sum_exp, shifted, kept_max, kept_sum = carry
+        cols = (first_tile + j) * block_v + _layout(
+            lax.broadcasted_iota(jnp.int32, shape, 1), wgmma, config)
+        in_vocab = (cols >= first_owned * block_v) & (cols < num_vocab)
+        stored = _read(logits_smem, wgmma, config)
+        raw = jnp.where(in_vocab, jnp.maximum(stored.astype(jnp.float32), _EXCLUDED),
+                        _EXCLUDED)
+
+        new_max = jnp.maximum(row_max, raw.max(axis=1))
+        d = raw * scale + _per_col(_neg_reference(new_max * inv_tau), shape)
+        exp_d = jnp.exp2(d)
+        d_old = (row_max - new_max) * scale
+        rescale = jnp.exp2(d_old)
+        if with_entropy:  # before sum_exp is updated: the rescale needs the old sum
+            shifted = rescale * (shifted + d_old * sum_exp) + (exp_d * d).sum(axis=1)
+        sum_exp = sum_exp * rescale + exp_d.sum(axis=1)
+        row_max = new_max
+
+        if masked:
+            keep = read_mask(mask_smem)
+            kept_raw = jnp.where(keep & in_vocab, raw, _EXCLUDED)
+            new_kept_max = jnp.maximum(kept_max, kept_raw.max(axis=1))
+            kept_exp = jnp.exp2(
+                kept_raw * scale + _per_col(_neg_reference(new_kept_max * inv_tau), shape))
+            kept_sum = (kept_sum * jnp.exp2((kept_max - new_kept_max) * scale)
+                        + kept_exp.sum(axis=1))
+            kept_max = new_kept_max
+        return row_max, sum_exp, shifted, kept_max, kept_sum
+
+    neg = _row_vector(NEG, jnp.float32, config)
+    zero = _row_vector(0.0, jnp.float32, config)
+    carry = (neg, zero, zero if with_entropy else None,
+             neg if masked else None, zero if masked else None)
+    transforms = _transforms(num_vocab, itemsize, block_v)
+    specs = [plgpu.BlockSpec(shape, lambda j: (row_block, first_tile + j),
+                             transforms=transforms)]
+    gmem = [logits_ref]
+    if masked:
+        specs.append(plgpu.BlockSpec(shape, lambda j: (row_block, first_tile + j),
+                                     transforms=mask_transforms))
+        gmem.append(mask_ref)
+    pipeline = plgpu.emit_pipeline(step, grid=(per_chunk,), in_specs=specs,
+                                   max_concurrent_steps=config.num_stages,
+                                   init_carry=carry)
+    results = [r for r in pipeline(*gmem) if r is not None]
+    for smem, value in zip(smem_refs, results):
+        smem[...] = value
+    plgpu.commit_smem()
+    for smem, out in zip(smem_refs, out_refs):
+        plgpu.copy_smem_to_gmem(smem, out.at[chunk, pl.ds(row_block * _ROWS, _ROWS)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _combine(partials, inv_tau):
+    """Per-chunk (max, sum) pairs -> the row's (max, sum[, shifted]), in raw units.
+
+    Elementwise per row, chunks folded in index order: a row's arithmetic does not
+    depend on T. `partials` is a list over chunks of (raw max, sum of 2^d, sum of
+    2^d d or None), d in log2 units relative to that chunk's max."""
+    scale = inv_tau * _LOG2E
+    total_max = functools.reduce(jnp.maximum, [p[0] for p in partials])
+    total_sum = total_shifted = 0.0
+    for chunk_max, chunk_sum, chunk_shifted in partials:
+        d_old = (chunk_max - total_max) * scale  # finite: maxima are >= NEG
+        rescale = jnp.exp2(d_old)
+        if chunk_shifted is not None:
+            total_shifted = total_shifted + rescale * (chunk_shifted + d_old * chunk_sum)
+        total_sum = total_sum + chunk_sum * rescale
+    return total_max, total_sum, total_shifted
+
+
+def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
+                  config: MosaicConfig | None = None) -> LocalStats:
+    num_tokens, num_vocab = logits.shape
+    masked = keep_mask is not None
+    itemsize = logits.dtype.itemsize
+    if not _supported(num_vocab, itemsize, masked) or num_tokens == 0:
+        if num_tokens:
+            _warn_fallback(f"logits [{num_tokens}, {num_vocab}] {logits.dtype}")
+        from jaxops import xla
+
+        return xla.forward_stats(logits, local_targets, keep_mask, inv_tau=inv_tau,
+                                 with_entropy=with_entropy)
+    config = mosaic_defaults(config or MosaicConfig(), itemsize=itemsize, masked=masked,
+                             backward=False)
+    inv_tau = float(inv_tau)
+    _, chunks, _ = _chunking(num_vocab, config.block_v, config.chunk_v)
+    row_blocks = pl.cdiv(num_tokens, _ROWS)
+    padded = row_blocks * _ROWS
+    num_out = 2 + with_entropy + 2 * masked
+    part = varying_struct((chunks, padded), jnp.float32, logits, keep_mask)
+    kernel = plgpu.kernel(
+        functools.partial(_forward_kernel, num_vocab=num_vocab, inv_tau=inv_tau,
+                          with_entropy=with_entropy, masked=masked, config=config,
+                          itemsize=itemsize),
+        out_type=[part] * num_out,
+        scratch_types=[plgpu.SMEM((_ROWS,), jnp.float32)] * num_out,
+        grid=(row_blocks, chunks),
+        grid_names=("rows", "chunks"),
+        compiler_params=_compiler_params(config),
+        interpret=_interpret_params() if config.interpret else False,
+    )
+    outs = list(kernel(logits, *([_mask_bytes(keep_mask)] if masked else [])))
+    outs = [o[:, :num_tokens] for o in outs]
+    row_max, sum_exp = outs.pop(0), outs.pop(0)
+    shifted = outs.pop(0) if with_entropy else None
+    row_max, sum_exp, shifted = _combine(
+        [(row_max[c], sum_exp[c], None if shifted is None else shifted[c])
+         for c in range(chunks)], inv_tau)
+
+    empty = row_max <= NEG  # no finite logit in this row
+    max_logit = jnp.where(empty, -jnp.inf, row_max * inv_tau)
+    sum_exp = jnp.where(empty, 0.0, sum_exp)
+    sum_exp_shifted = jnp.where(empty, 0.0, shifted * _LN2) if with_entropy else None
+
+    on_shard = (local_targets >= 0) & (local_targets < num_vocab)
+    safe_target = jnp.where(on_shard, local_targets, 0).astype(jnp.int32)[:, None]
+    # Raw, unclamped: a -inf target logit gives log_prob -inf (as the other kernels).
+    raw_target = jnp.take_along_axis(logits, safe_target, axis=1)[:, 0].astype(jnp.float32)
+    target_logit = jnp.where(on_shard, raw_target * inv_tau, 0.0)
+
+    masked_max = masked_sum_exp = None
+    if masked:
+        kept_max, kept_sum = outs
+        kept_max, kept_sum, _ = _combine(
+            [(kept_max[c], kept_sum[c], None) for c in range(chunks)], inv_tau)
+        # The target always counts as kept: fold it in where its mask bit is off.
+        target_alone = on_shard & ~jnp.take_along_axis(keep_mask, safe_target, axis=1)[:, 0]
+        target_raw = jnp.where(target_alone, jnp.maximum(raw_target, _EXCLUDED), _EXCLUDED)
+        total_max, total_sum, _ = _combine(
+            [(kept_max, kept_sum, None),
+             (target_raw, jnp.where(target_alone, 1.0, 0.0), None)], inv_tau)
+        none_kept = total_max <= NEG
+        masked_max = jnp.where(none_kept, -jnp.inf, total_max * inv_tau)
+        masked_sum_exp = jnp.where(none_kept, 0.0, total_sum)
+    return LocalStats(max_logit, sum_exp, sum_exp_shifted, target_logit,
+                      masked_max, masked_sum_exp)
+
+
+# --- backward ----------------------------------------------------------------------------
+
+def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsize,
+                     num_vectors):
+    refs = list(refs)
+    logits_ref = refs.pop(0)
+    mask_ref = refs.pop(0) if masked else None
+    target_ref = refs.pop(0)
+    vectors_ref = refs.pop(0)  # [num_vectors, padded] float32, see backward_logits
+    dlogits_ref = refs.pop(0)
+    target_smem, vectors_smem, grad_smem, barrier = refs
+    block_v = config.block_v
+    stages = config.num_stages
+    row_block = lax.axis_index("rows")
+    chunk = lax.axis_index("chunks")
+    tiles, _, per_chunk = _chunking(num_vocab, block_v, config.chunk_v)
+    first_tile, _ = _chunk_start(chunk, tiles, per_chunk)
+    rows = pl.ds(row_block * _ROWS, _ROWS)
+    plgpu.copy_gmem_to_smem(target_ref.at[rows], target_smem, barrier.at[0])
+    plgpu.copy_gmem_to_smem(vectors_ref.at[:, rows], vectors_smem, barrier.at[0])
+    plgpu.barrier_wait(barrier.at[0])
+    target = _read(target_smem, _rows_layout(), config)
+    vectors = [_read(vectors_smem.at[i], _rows_layout(), config) for i in range(num_vectors)]
+    neg_ref, coef_sum = vectors.pop(0), vectors.pop(0)
+    coef_shifted = vectors.pop(0) if entropy else None
+    coef_target = vectors.pop(0)
+    if masked:
+        masked_neg_ref, coef_masked = vectors
+    scale = inv_tau * _LOG2E
+    shape = (_ROWS, block_v)
+    wgmma = plgpu.Layout.WGMMA
+    mask_transforms = _transforms(num_vocab, 1, block_v) if masked else ()
+
+    def read_mask(ref):
+        if mask_transforms:
+            return _read(ref, wgmma, config) != 0
+        return _read_unoptimized(ref, wgmma, config) != 0
+
+    def step(indices, *tile_refs):
+        (j,) = indices
+        if masked:
+            logits_smem, mask_smem = tile_refs
+        else:
+            (logits_smem,) = tile_refs
+        cols = (first_tile + j) * block_v + _layout(
+            lax.broadcasted_iota(jnp.int32, shape, 1), wgmma, config)
+        # Columns past V_loc are never stored (TMA clips them): no vocabulary mask.
+        raw = jnp.maximum(_read(logits_smem, wgmma, config).astype(jnp.float32), _EXCLUDED)
+        d = raw * scale + _per_col(neg_ref, shape)  # (x - m) * log2(e)
+        exp_d = jnp.exp2(d)
+        coef = _per_col(coef_sum, shape)
+        if entropy:
+            coef = coef + _per_col(coef_shifted, shape) * d
+        grad = exp_d * coef
+        onehot = cols == _per_col(target, shape)
+        if masked:
+            keep = read_mask(mask_smem)
+            masked_exp = jnp.exp2(raw * scale + _per_col(masked_neg_ref, shape))
+            grad = grad + jnp.where(keep | onehot, masked_exp * _per_col(coef_masked, shape),
+                                    0.0)
+        grad = grad + jnp.where(onehot, _per_col(coef_target, shape), 0.0)
+        # The gradient's own ring of `stages` SMEM slots: the slot written now was
+        # last stored stages steps ago; wait until that TMA store has read it.
+        # (Not emit_pipeline's out_specs: their predicated stores have no rule in
+        # the 0.10 interpreter.)
+        slot = lax.rem(j, jnp.int32(stages))
+        plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
+        grad_smem.at[slot][...] = grad.astype(grad_smem.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(
+            grad_smem.at[slot],
+            dlogits_ref.at[pl.ds(row_block * _ROWS, _ROWS),
+                           pl.ds((first_tile + j) * block_v, block_v)])
+
+    transforms = _transforms(num_vocab, itemsize, block_v)
+    index = lambda j: (row_block, first_tile + j)  # noqa: E731
+    in_specs = [plgpu.BlockSpec(shape, index, transforms=transforms)]
+    gmem = [logits_ref]
+    if masked:
+        in_specs.append(plgpu.BlockSpec(shape, index,
+                                        transforms=mask_transforms))
+        gmem.append(mask_ref)
+    plgpu.emit_pipeline(step, grid=(per_chunk,), in_specs=in_specs,
+                        max_concurrent_steps=stages)(*gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
+                    coefs: BackwardCoefs, *, inv_tau,
+                    config: MosaicConfig | None = None) -> jax.Array:
+    """d loss / d logits `[T, V_loc]` in the logits' dtype (see `contract.py`)."""
+    num_tokens, num_vocab = logits.shape
+    masked = keep_mask is not None
+    itemsize = logits.dtype.itemsize
+    if not _supported(num_vocab, itemsize, masked) or num_tokens == 0:
+        if num_tokens:
+            _warn_fallback(f"logits [{num_tokens}, {num_vocab}] {logits.dtype}")
+        from jaxops import xla
+
+        return xla.backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
+                                   coefs, inv_tau=inv_tau)
+    config = mosaic_defaults(config or MosaicConfig(), itemsize=itemsize, masked=masked,
+                             backward=True)
+    inv_tau = float(inv_tau)
+    entropy = coefs.coef_shifted is not None
+    _, chunks, per_chunk = _chunking(num_vocab, config.block_v, config.chunk_v)
+    row_blocks = pl.cdiv(num_tokens, _ROWS)
+    padded = row_blocks * _ROWS
+
+    def finite_or_zero(m):  # rows with no finite logit: any finite reference works
+        return jnp.where(m > NEG, m, 0.0)
+
+    # inv_tau (and ln 2 for the log2-unit d) folded into the per-row coefficients.
+    vectors = [_neg_reference(finite_or_zero(max_logit)), coefs.coef_sum * inv_tau]
+    vectors += [coefs.coef_shifted * (inv_tau * _LN2)] if entropy else []
+    vectors += [coefs.coef_target * inv_tau]
+    if masked:
+        vectors += [_neg_reference(finite_or_zero(masked_max)), coefs.coef_masked * inv_tau]
+    pad = [(0, padded - num_tokens)]
+    vectors = jnp.pad(jnp.stack([v.astype(jnp.float32) for v in vectors]), [(0, 0)] + pad)
+    on_shard = (local_targets >= 0) & (local_targets < num_vocab)
+    # Off-shard targets match no column (-1), not even a padding column.
+    target = jnp.pad(jnp.where(on_shard, local_targets, -1).astype(jnp.int32), pad)
+    num_vectors = vectors.shape[0]
+    # The interpreter cannot clip out-of-bounds TMA stores as the GPU does: there the
+    # gradient is computed into a tile-aligned array and sliced.
+    out_shape = ((padded, chunks * per_chunk * config.block_v) if config.interpret
+                 else logits.shape)
+    operands = [logits] + ([_mask_bytes(keep_mask)] if masked else []) + [target, vectors]
+    kernel = plgpu.kernel(
+        functools.partial(_backward_kernel, num_vocab=num_vocab, inv_tau=inv_tau,
+                          entropy=entropy, masked=masked, config=config, itemsize=itemsize,
+                          num_vectors=num_vectors),
+        out_type=varying_struct(out_shape, logits.dtype, *operands, max_logit,
+                                *[c for c in coefs if c is not None]),
+        scratch_types=[plgpu.SMEM((_ROWS,), jnp.int32),
+                       plgpu.SMEM((num_vectors, _ROWS), jnp.float32),
+                       plgpu.SMEM((config.num_stages, _ROWS, config.block_v), logits.dtype,
+                                  transforms=_transforms(num_vocab, itemsize, config.block_v)),
+                       plgpu.Barrier(num_arrivals=2)],
+        grid=(row_blocks, chunks),
+        grid_names=("rows", "chunks"),
+        compiler_params=_compiler_params(config),
+        interpret=_interpret_params() if config.interpret else False,
+    )
+    dlogits = kernel(*operands)
+    return dlogits[:num_tokens, :num_vocab] if config.interpret else dlogits

@@ -1,0 +1,360 @@
+"""The Mosaic GPU kernels (`jaxops/pallas_mosaic.py`, implementation "pallas_mosaic").
+
+Off-GPU: the kernels run in Mosaic GPU's interpret mode on small shapes (T not a
+multiple of the 64-row block, V_loc not a multiple of the tile, a vocabulary split
+whose last chunk overlaps its neighbour, masks, temperature, -inf logits, targets off
+the shard) against the float64 reference, and they are lowered for CUDA at production
+sizes from ShapeDtypeStructs (Mosaic GPU's layouts and TMA descriptors are checked
+there; only the compile to PTX/SASS needs the GPU).
+
+On a GPU (`gpu` marker): compiled kernels against the XLA implementation at the sizes
+users run, and batch invariance bit for bit.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxops
+from jaxops import implementations, xla
+from jaxops.contract import BackwardCoefs
+from jaxops.pallas_config import MosaicConfig, PallasConfig
+
+from _oracle import (
+    assert_grad_close,
+    assert_values_close,
+    largest_abs_x,
+    reference64,
+    value_bound,
+)
+
+pallas_mosaic = pytest.importorskip("jaxops.pallas_mosaic")
+
+F32, BF16 = jnp.float32, jnp.bfloat16
+# Small chunks, so that the interpret-mode shapes split the vocabulary over CTAs too.
+INTERPRET = MosaicConfig(interpret=True, chunk_v=512)
+
+
+def _inputs(seed, num_tokens, num_vocab, dtype, mask_kind, scale=4.0):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    logits = (jax.random.normal(keys[0], (num_tokens, num_vocab), jnp.float32) * scale
+              ).astype(dtype)
+    targets = jax.random.randint(keys[1], (num_tokens,), 0, num_vocab)
+    if mask_kind is None:
+        return logits, targets, None
+    mask = jax.random.bernoulli(keys[2], 0.15, (num_tokens, num_vocab))
+    if mask_kind == "mixed":  # rows keeping nothing but the target, and everything
+        rows = jnp.arange(num_tokens)[:, None]
+        mask = jnp.where(rows % 3 == 1, False, jnp.where(rows % 3 == 2, True, mask))
+        # -inf logits where the mask removes them (design §2)
+        logits = jnp.where(~mask & (jax.random.uniform(keys[3], mask.shape) < 0.1)
+                           & (jnp.arange(num_vocab)[None, :] != targets[:, None]),
+                           -jnp.inf, logits.astype(jnp.float32)).astype(dtype)
+    return logits, targets, mask
+
+
+def _op(implementation, config, logits, targets, mask, temperature, with_entropy):
+    def f(x):
+        return jaxops.logprob_entropy(x, targets, keep_mask=mask, temperature=temperature,
+                                      with_entropy=with_entropy,
+                                      implementation=implementation, pallas_config=config)
+    return jax.vjp(f, logits)
+
+
+OP_CASES = [
+    # (T, V_loc, dtype, mask, entropy, tau): T = 70 spans two row blocks, the second
+    # partial; V = 1360 is 11 tiles of 128 (the last partial), split into 3 chunks of
+    # 4 tiles, the last one shifted back over its neighbour; 1008 % 32 != 0 takes the
+    # unswizzled mask tile.
+    (70, 1360, F32, "mixed", True, 0.7),
+    (1, 1008, F32, "random", True, 1.0),
+    (65, 1008, BF16, "mixed", True, 1.3),
+    (7, 1024, BF16, None, False, 0.8),
+    (64, 640, F32, None, True, 1.0),
+]
+
+
+@pytest.mark.parametrize("case", OP_CASES, ids=lambda c: f"T{c[0]}-V{c[1]}-"
+                         f"{jnp.dtype(c[2]).name}-{c[3]}-ent{int(c[4])}-tau{c[5]}")
+def test_op_matches_float64(case):
+    num_tokens, num_vocab, dtype, mask_kind, with_entropy, tau = case
+    logits, targets, mask = _inputs(num_tokens + num_vocab, num_tokens, num_vocab, dtype,
+                                    mask_kind)
+    (log_prob, entropy), vjp = _op("pallas_mosaic", INTERPRET, logits, targets, mask, tau,
+                                   with_entropy)
+    keys = jax.random.split(jax.random.key(7), 2)
+    g_lp = jax.random.normal(keys[0], (num_tokens,), jnp.float32)
+    g_h = jax.random.normal(keys[1], (num_tokens,), jnp.float32) if with_entropy else None
+    (grad,) = vjp((g_lp, g_h))
+    lp64, ent64, grad64 = reference64(
+        logits, targets, mask, g_lp, g_h if with_entropy else jnp.zeros_like(g_lp),
+        temperature=tau)
+    bound = value_bound(logits, tau)
+    assert_values_close("log_prob", log_prob, lp64, bound)
+    if with_entropy:
+        finite_rows = np.all(np.isfinite(np.asarray(logits, np.float64)), axis=-1)
+        assert_values_close("entropy", np.asarray(entropy)[finite_rows],
+                            np.asarray(ent64)[finite_rows], bound[finite_rows])
+    else:
+        assert entropy is None
+    assert_grad_close(grad, grad64, dtype, max_abs_x=largest_abs_x(logits, tau))
+
+
+def _lse(m, s):  # -inf (and a warning-free NaN) for rows callers filter out
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.asarray(m, np.float64) + np.log(np.asarray(s, np.float64))
+
+
+def _mean_shift(stats):
+    """E_p[x] - m, from the entropy sum."""
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.asarray(stats.sum_exp_shifted, np.float64) / np.asarray(stats.sum_exp)
+
+
+def _stats_inputs():
+    """Edge rows: -inf entries, an all -inf row, targets below and above the shard, a
+    row whose mask keeps nothing and whose target is elsewhere, very large logits."""
+    num_tokens, num_vocab = 9, 1040
+    logits, targets, mask = _inputs(3, num_tokens, num_vocab, F32, "random")
+    logits = logits.at[0, :7].set(-jnp.inf).at[1].set(-jnp.inf)
+    logits = logits.at[2].multiply(2500.0)  # |x| up to ~1e4
+    targets = targets.at[3].set(-5).at[4].set(num_vocab + 2).at[5].set(-1)
+    mask = mask.at[5].set(False).at[6].set(True)
+    return logits, targets.astype(jnp.int32), mask
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_stats_edge_cases_match_xla(masked):
+    logits, targets, mask = _stats_inputs()
+    mask = mask if masked else None
+    inv_tau = 1 / 0.9
+    got = pallas_mosaic.forward_stats(logits, targets, mask, inv_tau=inv_tau,
+                                      with_entropy=True, config=INTERPRET)
+    want = xla.forward_stats(logits, targets, mask, inv_tau=inv_tau, with_entropy=True)
+    np.testing.assert_array_equal(got.max_logit, want.max_logit)  # the same max, exactly
+    np.testing.assert_array_equal(got.target_logit, want.target_logit)
+    # Sums are compared through what is computed from them, to design §8's bound: at
+    # |x| ~ 1e4 the kernels' d = raw * (log2 e / tau) - m log2 e (one FMA, as in
+    # pallas_gpu.py) is off by ~eps * |x| from x - m.
+    bound = value_bound(logits, 1 / inv_tau)
+    finite = np.isfinite(np.asarray(want.max_logit))
+    assert_values_close("lse", _lse(got.max_logit, got.sum_exp)[finite],
+                        _lse(want.max_logit, want.sum_exp)[finite], bound[finite])
+    assert_values_close("E[x - m]", _mean_shift(got)[finite], _mean_shift(want)[finite],
+                        bound[finite])
+    assert got.max_logit[1] == -np.inf and got.sum_exp[1] == 0 and got.sum_exp_shifted[1] == 0
+    if masked:
+        # masked_max is the kept maximum here, as in xla.py: comparable field by field.
+        np.testing.assert_array_equal(got.masked_max, want.masked_max)
+        kept = np.isfinite(np.asarray(want.masked_max))
+        assert_values_close("masked lse", _lse(got.masked_max, got.masked_sum_exp)[kept],
+                            _lse(want.masked_max, want.masked_sum_exp)[kept], bound[kept])
+        assert got.masked_max[5] == -np.inf and got.masked_sum_exp[5] == 0
+
+    keys = jax.random.split(jax.random.key(11), 4)
+    coefs = [jax.random.normal(k, targets.shape, jnp.float32) for k in keys]
+    coefs = BackwardCoefs(coefs[0], coefs[1], coefs[2], coefs[3] if masked else None)
+    args = (logits, targets, mask, want.max_logit, want.masked_max, coefs)
+    grad = pallas_mosaic.backward_logits(*args, inv_tau=inv_tau, config=INTERPRET)
+    grad_xla = xla.backward_logits(*args, inv_tau=inv_tau)
+    assert grad.dtype == logits.dtype and grad.shape == logits.shape
+    assert_grad_close(grad, grad_xla, F32, max_abs_x=largest_abs_x(logits, 1 / inv_tau))
+
+
+def test_rows_are_batch_invariant_in_interpret_mode():
+    """The wrapper and the chunk combine treat every row alike (the kernels' own
+    arithmetic order is checked bit for bit on the GPU, test_gpu_batch_invariance)."""
+    logits, targets, mask = _inputs(5, 70, 1360, F32, "mixed")
+    inv_tau = 1 / 0.7
+    coefs = BackwardCoefs(*[jnp.linspace(-1, 1, 70, dtype=jnp.float32) + i for i in range(4)])
+
+    def run(rows):
+        stats = pallas_mosaic.forward_stats(logits[rows], targets[rows], mask[rows],
+                                            inv_tau=inv_tau, with_entropy=True,
+                                            config=INTERPRET)
+        row_coefs = BackwardCoefs(*[c[rows] for c in coefs])
+        grad = pallas_mosaic.backward_logits(
+            logits[rows], targets[rows], mask[rows], stats.max_logit, stats.masked_max,
+            row_coefs, inv_tau=inv_tau, config=INTERPRET)
+        return stats, grad
+
+    batch_stats, batch_grad = run(np.arange(70))
+    for row in (0, 66):
+        alone_stats, alone_grad = run(np.array([row]))
+        for name, a, b in zip(batch_stats._fields, alone_stats, batch_stats):
+            np.testing.assert_array_equal(a[0], b[row], err_msg=name)
+        np.testing.assert_array_equal(alone_grad[0], batch_grad[row])
+
+
+def test_unaligned_vocabulary_falls_back_to_xla():
+    logits, targets, mask = _inputs(2, 3, 1001, F32, "random")
+    with pytest.warns(RuntimeWarning, match="XLA implementation"):
+        got = pallas_mosaic.forward_stats(logits, targets, mask, inv_tau=1.0,
+                                          with_entropy=False, config=INTERPRET)
+    want = xla.forward_stats(logits, targets, mask, inv_tau=1.0, with_entropy=False)
+    for a, b in zip(got, want):
+        if a is not None:
+            np.testing.assert_array_equal(a, b)
+
+
+def test_empty_batch():
+    logits = jnp.zeros((0, 1024), F32)
+    stats = pallas_mosaic.forward_stats(logits, jnp.zeros((0,), jnp.int32), None,
+                                        inv_tau=1.0, with_entropy=True, config=INTERPRET)
+    assert stats.max_logit.shape == (0,)
+
+
+def test_chunking_depends_on_vocabulary_only():
+    tiles, chunks, per_chunk = pallas_mosaic._chunking(151936, 128, 4096)
+    assert (tiles, chunks, per_chunk) == (1187, 36, 33)  # one tile of overlap in all
+    for num_vocab in (640, 1000, 18992, 151936, 262144):
+        tiles, chunks, per_chunk = pallas_mosaic._chunking(num_vocab, 128, 4096)
+        assert per_chunk <= tiles and 0 <= chunks * per_chunk - tiles < per_chunk
+
+
+def test_implementation_names():
+    assert "pallas_mosaic" in jaxops.IMPLEMENTATIONS and "pallas_triton" in jaxops.IMPLEMENTATIONS
+    name, config = implementations.resolve("pallas_mosaic", platform="cpu")
+    assert name == "pallas_mosaic" and config == MosaicConfig(interpret=True)
+    name, config = implementations.resolve("pallas_mosaic", platform="gpu",
+                                           pallas_config=PallasConfig())
+    assert config == MosaicConfig()
+    assert implementations.kernels("pallas_mosaic") is pallas_mosaic
+    assert implementations.kernels("pallas").__name__ == "jaxops.pallas_gpu"
+    assert implementations.kernels("pallas_triton").__name__ == "jaxops.pallas_gpu"
+    _, config = implementations.resolve("pallas", platform="cpu")
+    assert isinstance(config, PallasConfig) and config.interpret
+
+
+def _lower_for_cuda(num_tokens, num_vocab, dtype, masked, with_entropy):
+    S = jax.ShapeDtypeStruct
+    logits = S((num_tokens, num_vocab), dtype)
+    targets = S((num_tokens,), jnp.int32)
+    mask = S((num_tokens, num_vocab), jnp.bool_) if masked else None
+    row = S((num_tokens,), jnp.float32)
+
+    def fwd(x, t, m):
+        return pallas_mosaic.forward_stats(x, t, m, inv_tau=1 / 0.7,
+                                           with_entropy=with_entropy)
+
+    def bwd(x, t, m, mx, mm, c):
+        return pallas_mosaic.backward_logits(x, t, m, mx, mm, c, inv_tau=1 / 0.7)
+
+    coefs = BackwardCoefs(row, row if with_entropy else None, row, row if masked else None)
+    texts = [
+        jax.jit(fwd).trace(logits, targets, mask).lower(lowering_platforms=("cuda",)).as_text(),
+        jax.jit(bwd).trace(logits, targets, mask, row, row if masked else None, coefs)
+        .lower(lowering_platforms=("cuda",)).as_text(),
+    ]
+    for text in texts:
+        assert "mosaic_gpu" in text  # the kernel, not the XLA fallback
+
+
+@pytest.mark.parametrize("num_tokens, num_vocab, dtype, masked, with_entropy", [
+    (8192, 151936, F32, False, True),
+    (8192, 151936, BF16, False, True),
+    (8192, 151936, F32, True, True),
+    (8192, 151936, BF16, True, False),
+    (1024, 151936, BF16, True, True),
+    (32768, 151936, BF16, False, True),  # T * V_loc beyond 2**31 elements
+    (16384, 151936, F32, True, True),
+    (8192, 18992, F32, True, True),  # 8-way shard: narrower swizzle, unswizzled mask
+    (8192, 18992, BF16, False, True),
+    (1, 18992, BF16, True, True),
+])
+def test_lowers_for_cuda(num_tokens, num_vocab, dtype, masked, with_entropy):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no XLA fallback at these sizes
+        _lower_for_cuda(num_tokens, num_vocab, dtype, masked, with_entropy)
+
+
+# --- on the GPU ------------------------------------------------------------------------
+
+GPU_SIZES = [(t, v) for t in (1, 7, 1000, 8192) for v in (1000, 18992, 151936)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("num_tokens, num_vocab", GPU_SIZES)
+def test_gpu_matches_xla(num_tokens, num_vocab, dtype, masked):
+    """Compiled kernels (V_loc = 1000 bf16 / masked falls back to XLA with a warning)
+    against the XLA implementation, statistics and gradient."""
+    logits, targets, mask = _inputs(num_tokens, num_tokens, num_vocab, dtype,
+                                    "mixed" if masked else None)
+    targets = targets.at[0].set(num_vocab + 5).astype(jnp.int32)  # row 0: target elsewhere
+    inv_tau = 1 / 0.8
+    config = MosaicConfig()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        got = jax.jit(lambda x, t, m: pallas_mosaic.forward_stats(
+            x, t, m, inv_tau=inv_tau, with_entropy=True, config=config))(logits, targets, mask)
+    want = jax.jit(lambda x, t, m: xla.forward_stats(
+        x, t, m, inv_tau=inv_tau, with_entropy=True))(logits, targets, mask)
+    bound = value_bound(logits, 1 / inv_tau)
+    finite = np.isfinite(np.asarray(want.max_logit))
+    np.testing.assert_array_equal(got.max_logit, want.max_logit)
+    np.testing.assert_array_equal(got.target_logit, want.target_logit)
+    assert_values_close("lse", _lse(got.max_logit, got.sum_exp)[finite],
+                        _lse(want.max_logit, want.sum_exp)[finite], bound[finite])
+    assert_values_close("E[x - m]", _mean_shift(got)[finite], _mean_shift(want)[finite],
+                        bound[finite])
+    if masked:
+        kept = np.isfinite(np.asarray(want.masked_max))
+        assert_values_close("masked lse", _lse(got.masked_max, got.masked_sum_exp)[kept],
+                            _lse(want.masked_max, want.masked_sum_exp)[kept], bound[kept])
+
+    keys = jax.random.split(jax.random.key(3), 4)
+    coefs = BackwardCoefs(*[jax.random.normal(k, (num_tokens,), jnp.float32) for k in keys])
+    if not masked:
+        coefs = coefs._replace(coef_masked=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        grad = jax.jit(lambda *a: pallas_mosaic.backward_logits(
+            *a, inv_tau=inv_tau, config=config))(logits, targets, mask, want.max_logit,
+                                                 want.masked_max, coefs)
+    grad_xla = jax.jit(lambda *a: xla.backward_logits(*a, inv_tau=inv_tau))(
+        logits, targets, mask, want.max_logit, want.masked_max, coefs)
+    assert_grad_close(grad, grad_xla, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("num_vocab", [18992, 151936])
+def test_gpu_batch_invariance(num_vocab, dtype, masked):
+    """A row's statistics and gradient, bit for bit: in a batch of 8192, alone, and in
+    a batch of 7 at another position."""
+    logits, targets, mask = _inputs(1, 8192, num_vocab, dtype, "mixed" if masked else None)
+    targets = targets.astype(jnp.int32)
+    coefs = BackwardCoefs(*[jnp.linspace(-1, 1, 8192, dtype=jnp.float32) * (i + 1)
+                            for i in range(4)])
+    if not masked:
+        coefs = coefs._replace(coef_masked=None)
+    inv_tau = 1 / 0.8
+
+    @jax.jit
+    def run(x, t, m, c):
+        stats = pallas_mosaic.forward_stats(x, t, m, inv_tau=inv_tau, with_entropy=True)
+        return stats, pallas_mosaic.backward_logits(x, t, m, stats.max_logit,
+                                                    stats.masked_max, c, inv_tau=inv_tau)
+
+    def rows(idx):
+        idx = np.asarray(idx)
+        pick = lambda a: None if a is None else a[idx]  # noqa: E731
+        return run(logits[idx], targets[idx], pick(mask),
+                   BackwardCoefs(*[pick(c) for c in coefs]))
+
+    batch_stats, batch_grad = run(logits, targets, mask, coefs)
+    for row in (0, 63, 64, 4097, 8191):
+        for idx, pos in (([row], 0), ([5, 6, 7, row, 9, 10, 11], 3)):
+            stats, grad = rows(idx)
+            for name, a, b in zip(stats._fields, stats, batch_stats):
+                if a is not None:
+                    np.testing.assert_array_equal(a[pos], b[row], err_msg=f"{name} row {row}")
+            np.testing.assert_array_equal(grad[pos], batch_grad[row], err_msg=f"grad {row}")

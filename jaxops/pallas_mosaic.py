@@ -490,7 +490,9 @@ def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
                        plgpu.SMEM((num_vectors, _ROWS), jnp.float32),
                        plgpu.SMEM((config.num_stages, _ROWS, config.block_v), logits.dtype,
                                   transforms=_transforms(num_vocab, itemsize, config.block_v)),
-                       plgpu.Barrier(num_arrivals=2)],
+                       # num_barriers explicit: its default is 1 (a [1] ref) in
+                       # 0.10 and () (a scalar ref) in 0.11.
+                       plgpu.Barrier(num_arrivals=2, num_barriers=1)],
         grid=(row_blocks, chunks),
         grid_names=("rows", "chunks"),
         compiler_params=_compiler_params(config),

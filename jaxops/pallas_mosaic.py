@@ -23,9 +23,15 @@ The target logit and the target's own mask bit are read outside the kernel (a [T
 gather); the forward kernel needs no targets. The masked log-sum-exp is exact
 (`masked_max` is the kept maximum, as in `xla.py`), in the same single pass.
 
-TMA needs 16-byte-aligned row strides: the logits' V_loc * itemsize and, with a
-mask, V_loc itself must be multiples of 16; other shapes fall back to the XLA
-implementation with a warning (`_supported`).
+Shapes taken (`_supported`): V_loc a multiple of 32 bytes of logits (fp32: 8, bf16:
+16; the swizzled SMEM tile) and, with a mask, of 16 (TMA's row-stride alignment);
+other shapes fall back to the XLA implementation with a RuntimeWarning. The bool
+mask is handed to the kernel as uint8 (`_mask_bytes`: one extra XLA pass over it).
+
+Not yet done (first step of issue 14): tuning on the H200 (`MosaicConfig` defaults
+are guesses); the masked kernels compute a second exponential per element even
+where the kept maximum equals the row maximum (a CTA-uniform branch could skip it
+bit-exactly).
 """
 
 from __future__ import annotations

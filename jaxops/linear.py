@@ -1,15 +1,23 @@
 """The op fused with the output layer: log-prob and entropy of `hidden @ weight.T`, chunked.
 
 `linear_logprob_entropy` never holds the `[T, V_loc]` logits (or their gradient) for
-more than `chunk_size` rows at a time (docs/design.md §10). It is the per-shard
-statistics of `stats.local_stats`, with the logits computed chunk by chunk inside the
-custom VJP:
+more than `chunk_size` vocabulary columns at a time (docs/design.md §10). It is the
+per-shard statistics of `stats.local_stats`, with the logits computed chunk by chunk
+inside the custom VJP:
 
-  forward   for each chunk of rows: logits_c = hidden_c @ weight.T (fp32 accumulation),
-            the implementation's `forward_stats(logits_c)`; keep the O(T) statistics.
+  forward   for each chunk of columns c: logits_c = hidden @ weight_c.T `[T, C]` (fp32
+            accumulation), the implementation's `forward_stats(logits_c)`, merged into
+            the running O(T) row statistics (an online log-sum-exp over chunks, the
+            same merge as over vocabulary shards).
   backward  for each chunk: recompute logits_c, `backward_logits` -> d logits_c, then
-            d hidden_c = d logits_c @ weight and d weight += d logits_c^T @ hidden_c,
-            both accumulated in fp32.
+            d weight_c = d logits_c^T @ hidden (complete: one GEMM over all T, written
+            once) and d hidden += d logits_c @ weight_c (an fp32 `[T, H]` accumulator).
+
+Why chunks of the vocabulary rather than of the tokens: a token chunk re-reads the
+whole weight per chunk (V_loc * H, 1.2 GB at V = 151,936, H = 4096) and accumulates
+d weight `[V_loc, H]` in fp32 across chunks; a vocabulary chunk re-reads only hidden
+(T * H) and accumulates d hidden `[T, H]`, which is V_loc / T times smaller for the
+sizes RL runs (H200 measurements in benchmarks/NOTES.md).
 
 Residuals are hidden, weight, targets, mask and the O(T) row maxima (and masked
 reference points): nothing `[T, V_loc]`. The chunks' logits stay in fp32, the GEMM's
@@ -18,8 +26,8 @@ and rounding the logits of bf16 inputs to bf16 would cost |x| * 2^-9 of accuracy
 far beyond §8's 1e-5. The cross-shard combine is `combine.combine`, plain
 differentiable JAX around the custom VJP, exactly as in `api.logprob_entropy`.
 
-T is split into full chunks (a `lax.scan`) plus one shorter tail chunk, so nothing
-is padded, not even the O(T) arrays.
+V_loc is split into full chunks (a `lax.scan`) plus one narrower tail chunk, so
+nothing is padded.
 """
 
 from __future__ import annotations
@@ -33,19 +41,25 @@ from jax import lax
 
 from jaxops import implementations, validate
 from jaxops.combine import combine, shard_targets, unflatten
-from jaxops.contract import backward_coefs, varying_axes
+from jaxops.contract import LocalStats, backward_coefs, varying_axes
 from jaxops.pallas_config import PallasConfig
 from jaxops.reference import logprob_entropy_reference
 
-# Default rows per chunk: as many as keep one fp32 chunk of logits within this many bytes.
-DEFAULT_CHUNK_BYTES = 256 * 2**20
+# The default chunk: its fp32 logits take at most 1/24 of the bf16 [T, V_loc] logits'
+# bytes (the chunk's temporaries -- fp32 logits, fp32 and bf16 d logits -- then stay
+# under 1/8 of them), and at least MIN_CHUNK_BYTES so that small T still gets wide,
+# efficient GEMMs.
+MIN_CHUNK_BYTES = 64 * 2**20
+_COLUMN_ALIGN = 128
 
 
 def default_chunk_size(num_tokens: int, local_vocab: int) -> int:
-    """Rows per chunk when `chunk_size=None`: one fp32 `[chunk, V_loc]` logits chunk
-    of at most DEFAULT_CHUNK_BYTES (a multiple of 8 rows, at least 8), capped at T."""
-    rows = max(8, (DEFAULT_CHUNK_BYTES // (4 * local_vocab)) // 8 * 8)
-    return max(1, min(num_tokens, rows))
+    """Vocabulary columns per chunk when `chunk_size=None`: fp32 `[T, chunk]` logits of
+    at most max(MIN_CHUNK_BYTES, T * V_loc * 2 / 24) bytes, a multiple of 128 columns
+    (at least 128), capped at V_loc."""
+    budget = max(MIN_CHUNK_BYTES, num_tokens * local_vocab * 2 // 24)
+    columns = budget // (4 * max(num_tokens, 1)) // _COLUMN_ALIGN * _COLUMN_ALIGN
+    return max(1, min(local_vocab, max(_COLUMN_ALIGN, columns)))
 
 
 def _dot(a, b, dims, out_dtype):
@@ -57,9 +71,9 @@ def _dot(a, b, dims, out_dtype):
                            precision=lax.Precision.HIGHEST if wide else None)
 
 
-def _logits(hidden_c, weight):
-    """[C, H] @ [V_loc, H]^T with fp32 accumulation, kept in fp32 (float64 stays float64)."""
-    return _dot(hidden_c, weight, ((1,), (1,)), jnp.promote_types(hidden_c.dtype, jnp.float32))
+def _logits(hidden, weight_c):
+    """[T, H] @ [C, H]^T with fp32 accumulation, kept in fp32 (float64 stays float64)."""
+    return _dot(hidden, weight_c, ((1,), (1,)), jnp.promote_types(hidden.dtype, jnp.float32))
 
 
 def _vary_like(x, *like):
@@ -72,44 +86,86 @@ def _vary_like(x, *like):
     return pcast(x, missing, to="varying") if pcast else lax.pvary(x, missing)
 
 
-def _over_chunks(body, carry, xs, num_rows: int, chunk: int):
-    """body(carry, xs_c) -> (carry, ys_c) over row chunks of the pytree `xs` (leading dim
-    `num_rows`; None leaves allowed): a scan over the full chunks, then the tail.
-    Returns (carry, ys concatenated over rows)."""
-    num_full, tail = divmod(num_rows, chunk)
-    parts = []
-    if num_full:
-        def step(carry, index):
-            xs_c = jax.tree.map(
-                lambda x: lax.dynamic_slice_in_dim(x, index * chunk, chunk), xs)
-            return body(carry, xs_c)
+def _over_columns(body, carry, weight, keep_mask, local_targets, chunk: int):
+    """carry = body(carry, start, weight_c [C, H], mask_c [T, C] or None, targets_c [T])
+    over vocabulary chunks of `chunk` columns: a scan over the full chunks, then the
+    shorter tail (nothing padded). `targets_c` are the local targets shifted to the
+    chunk (outside [0, C): the target is in another chunk, as for another shard)."""
+    num_vocab = weight.shape[0]
+    num_full, tail = divmod(num_vocab, chunk)
 
-        carry, ys = lax.scan(step, carry, jnp.arange(num_full))
-        parts.append(jax.tree.map(lambda y: y.reshape((num_full * chunk,) + y.shape[2:]), ys))
+    def run(carry, start, size, dynamic):
+        if dynamic:
+            weight_c = lax.dynamic_slice_in_dim(weight, start, size, 0)
+            mask_c = (None if keep_mask is None
+                      else lax.dynamic_slice_in_dim(keep_mask, start, size, 1))
+        else:
+            weight_c = weight[start:start + size]
+            mask_c = None if keep_mask is None else keep_mask[:, start:start + size]
+        return body(carry, start, weight_c, mask_c, local_targets - start)
+
+    if num_full:
+        carry, _ = lax.scan(lambda c, i: (run(c, i * chunk, chunk, True), None),
+                            carry, jnp.arange(num_full, dtype=jnp.int32))
     if tail:
-        carry, ys = body(carry, jax.tree.map(lambda x: x[num_full * chunk:], xs))
-        parts.append(ys)
-    if len(parts) == 1:
-        return carry, parts[0]
-    return carry, jax.tree.map(lambda *ys: jnp.concatenate(ys), *parts)
+        carry = run(carry, num_full * chunk, tail, False)
+    return carry
+
+
+def _merge(acc: LocalStats, part: LocalStats) -> LocalStats:
+    """Statistics of two disjoint sets of columns of the same rows -> of their union
+    (the online log-sum-exp step, per row). A side with no finite logit (max -inf)
+    contributes nothing; its -inf must not meet another -inf in a subtraction."""
+    def rescale(new_max, old_max):
+        live = old_max > -jnp.inf
+        shift = jnp.where(live, old_max - new_max, 0.0)
+        return shift, jnp.where(live, jnp.exp(shift), 0.0)
+
+    row_max = jnp.maximum(acc.max_logit, part.max_logit)
+    (d_acc, w_acc), (d_part, w_part) = rescale(row_max, acc.max_logit), rescale(
+        row_max, part.max_logit)
+    shifted = None
+    if acc.sum_exp_shifted is not None:
+        shifted = (w_acc * (acc.sum_exp_shifted + acc.sum_exp * d_acc)
+                   + w_part * (part.sum_exp_shifted + part.sum_exp * d_part))
+    masked_max = masked_sum = None
+    if acc.masked_max is not None:
+        masked_max = jnp.maximum(acc.masked_max, part.masked_max)
+        (_, m_acc), (_, m_part) = rescale(masked_max, acc.masked_max), rescale(
+            masked_max, part.masked_max)
+        masked_sum = m_acc * acc.masked_sum_exp + m_part * part.masked_sum_exp
+    return LocalStats(
+        max_logit=row_max, sum_exp=w_acc * acc.sum_exp + w_part * part.sum_exp,
+        sum_exp_shifted=shifted, target_logit=acc.target_logit + part.target_logit,
+        masked_max=masked_max, masked_sum_exp=masked_sum)
+
+
+def _empty_stats(num_tokens, with_entropy, masked, like) -> LocalStats:
+    """The statistics of no columns: the identity of `_merge`."""
+    neg = _vary_like(jnp.full((num_tokens,), -jnp.inf, jnp.float32), *like)
+    zero = jnp.zeros_like(neg)
+    return LocalStats(max_logit=neg, sum_exp=zero,
+                      sum_exp_shifted=zero if with_entropy else None, target_logit=zero,
+                      masked_max=neg if masked else None,
+                      masked_sum_exp=zero if masked else None)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
 def _linear_local_stats(hidden, weight, local_targets, keep_mask, inv_tau, with_entropy,
                         entropy_grad, implementation, config, chunk):
-    """`stats.local_stats(hidden @ weight.T, ...)`, chunk by chunk over the rows."""
+    """`stats.local_stats(hidden @ weight.T, ...)`, vocabulary chunk by chunk."""
     del entropy_grad
     kernels = implementations.kernels(implementation)
 
-    def body(carry, xs_c):
-        hidden_c, targets_c, mask_c = xs_c
-        return carry, kernels.forward_stats(
-            _logits(hidden_c, weight), targets_c, mask_c, inv_tau=inv_tau,
-            with_entropy=with_entropy, config=config)
+    def body(acc, start, weight_c, mask_c, targets_c):
+        del start
+        return _merge(acc, kernels.forward_stats(
+            _logits(hidden, weight_c), targets_c, mask_c, inv_tau=inv_tau,
+            with_entropy=with_entropy, config=config))
 
-    _, stats = _over_chunks(body, None, (hidden, local_targets, keep_mask),
-                            hidden.shape[0], chunk)
-    return stats
+    init = _empty_stats(hidden.shape[0], with_entropy, keep_mask is not None,
+                        (hidden, weight, local_targets, keep_mask))
+    return _over_columns(body, init, weight, keep_mask, local_targets, chunk)
 
 
 def _linear_local_stats_fwd(hidden, weight, local_targets, keep_mask, inv_tau, with_entropy,
@@ -122,52 +178,67 @@ def _linear_local_stats_fwd(hidden, weight, local_targets, keep_mask, inv_tau, w
 
 def chunked_backward(hidden, weight, local_targets, keep_mask, max_logit, masked_max, coefs, *,
                      inv_tau, implementation, config, chunk, d_weight=None,
-                     want_d_hidden=True):
-    """The backward's chunk loop: recompute each chunk's logits, form its d logits and
-    contract them at once into d hidden and d weight.
+                     want_d_hidden=True, want_d_weight=None):
+    """The backward's chunk loop over the vocabulary: recompute a chunk's logits
+    `[T, C]`, form its d logits, and contract them at once into this chunk's rows of d
+    weight (complete: the contraction over T happens in one GEMM) and into the fp32
+    d hidden accumulator `[T, H]`.
 
     hidden `[T, H]`, weight `[V_loc, H]`, local_targets/max_logit/masked_max/coefs `[T]`,
-    keep_mask `[T, V_loc]` or None. `d_weight`: an accumulator `[V_loc, H]` (fp32, or
-    float64 for float64 inputs) that this call adds its rows' d weight to -- callers
-    that cut T into pieces (the PyTorch bridge's row windows) chain it through them and
-    round once at the end; None: d weight is not computed. Returns (d hidden `[T, H]` in
-    hidden's dtype or None without `want_d_hidden`, the accumulator or None)."""
+    keep_mask `[T, V_loc]` or None. d weight, three ways:
+      * `d_weight` an accumulator `[V_loc, H]` (fp32, or float64 for float64 inputs):
+        this call adds its d weight to it and returns it (callers that cut T into
+        pieces, the PyTorch bridge's row windows, round once after the last piece);
+      * `want_d_weight=True` (and no accumulator): returned in weight's dtype, each
+        chunk's rows rounded once from their fp32 GEMM;
+      * neither: not computed.
+    Returns (d hidden `[T, H]` in hidden's dtype or None without `want_d_hidden`,
+    d weight or None)."""
     kernels = implementations.kernels(implementation)
     acc = jnp.promote_types(weight.dtype, jnp.float32)
+    compute = jnp.promote_types(hidden.dtype, weight.dtype)
+    if d_weight is not None:
+        out_weight, accumulate = d_weight, True
+    elif want_d_weight:
+        out_weight, accumulate = _vary_like(jnp.zeros(weight.shape, weight.dtype), weight), False
+    else:
+        out_weight, accumulate = None, False
+    d_hidden = None
+    if want_d_hidden:
+        d_hidden = _vary_like(jnp.zeros(hidden.shape, acc), hidden, weight, local_targets)
 
-    def body(d_weight, xs_c):
-        hidden_c, targets_c, mask_c, max_c, masked_max_c, coefs_c = xs_c
+    def body(carry, start, weight_c, mask_c, targets_c):
+        d_hidden, out_weight = carry
         d_logits = kernels.backward_logits(
-            _logits(hidden_c, weight), targets_c, mask_c, max_c, masked_max_c, coefs_c,
-            inv_tau=inv_tau, config=config)  # [C, V_loc] fp32, like the logits
+            _logits(hidden, weight_c), targets_c, mask_c, max_logit, masked_max, coefs,
+            inv_tau=inv_tau, config=config)  # [T, C] fp32, like the logits
         # The GEMMs take d logits in the inputs' dtype, as the unfused op's gradient of
         # bf16 logits is: an fp32 operand would turn both into fp32 GEMMs (~10x slower).
-        d_logits = d_logits.astype(jnp.promote_types(hidden.dtype, weight.dtype))
-        d_hidden_c = None
-        if want_d_hidden:
-            d_hidden_c = _dot(d_logits, weight, ((1,), (0,)), acc).astype(hidden.dtype)
-        if d_weight is not None:
-            d_weight = d_weight + _dot(d_logits, hidden_c, ((0,), (0,)), d_weight.dtype)
-        return d_weight, d_hidden_c
+        d_logits = d_logits.astype(compute)
+        if d_hidden is not None:
+            d_hidden = d_hidden + _dot(d_logits, weight_c, ((1,), (0,)), acc)
+        if out_weight is not None:
+            rows = _dot(d_logits, hidden, ((0,), (0,)), acc)  # [C, H]
+            if accumulate:
+                rows = rows + lax.dynamic_slice_in_dim(out_weight, start, rows.shape[0], 0)
+            out_weight = lax.dynamic_update_slice_in_dim(
+                out_weight, rows.astype(out_weight.dtype), start, 0)
+        return d_hidden, out_weight
 
-    d_weight, d_hidden = _over_chunks(
-        body, d_weight, (hidden, local_targets, keep_mask, max_logit, masked_max, coefs),
-        hidden.shape[0], chunk)
-    return d_hidden, d_weight
+    d_hidden, out_weight = _over_columns(body, (d_hidden, out_weight), weight, keep_mask,
+                                         local_targets, chunk)
+    return (None if d_hidden is None else d_hidden.astype(hidden.dtype)), out_weight
 
 
 def _linear_local_stats_bwd(inv_tau, with_entropy, entropy_grad, implementation, config,
                             chunk, residuals, cotangents):
     hidden, weight, local_targets, keep_mask, max_logit, masked_max = residuals
     coefs = backward_coefs(cotangents, with_entropy and entropy_grad, keep_mask is not None)
-    acc = jnp.promote_types(weight.dtype, jnp.float32)
-    # Under check_vma=True the scan's carry must vary over the axes the weight shard does.
-    d_weight0 = _vary_like(jnp.zeros(weight.shape, acc), weight)
     d_hidden, d_weight = chunked_backward(
         hidden, weight, local_targets, keep_mask, max_logit, masked_max, coefs,
         inv_tau=inv_tau, implementation=implementation, config=config, chunk=chunk,
-        d_weight=d_weight0)
-    return d_hidden, d_weight.astype(weight.dtype), None, None
+        want_d_weight=True)
+    return d_hidden, d_weight, None, None
 
 
 _linear_local_stats.defvjp(_linear_local_stats_fwd, _linear_local_stats_bwd)
@@ -214,7 +285,7 @@ def linear_logprob_entropy(
     """`jaxops.logprob_entropy(hidden @ weight.T, targets, ...)` without the `[T, V_loc]` logits.
 
     The output layer fused into the op (docs/design.md §10): the logits are computed
-    `chunk_size` rows at a time, in fp32 (the matmul's fp32 accumulator; not rounded to
+    `chunk_size` vocabulary columns at a time, in fp32 (the matmul's fp32 accumulator; not rounded to
     the inputs' dtype), folded into the row statistics and discarded; the backward
     recomputes them chunk by chunk. Values, flags and errors are those of
     `jaxops.logprob_entropy` on fp32 logits `hidden @ weight.T`.
@@ -230,18 +301,20 @@ def linear_logprob_entropy(
       implementation: None, "xla" or "pallas" pick the statistics kernels run on each
         chunk; "reference" forms the full logits and runs the reference op (the oracle;
         unsharded, float64-capable).
-      chunk_size: rows per chunk (any int >= 1; it need not divide T). None:
-        `default_chunk_size(T, V_loc)`, one fp32 chunk of logits of <= 256 MiB.
+      chunk_size: vocabulary columns per chunk (any int >= 1; it need not divide
+        V_loc). None: `default_chunk_size(T, V_loc)`: fp32 `[T, chunk]` logits of at
+        most 1/24 of the bf16 logits' bytes (at least 64 MiB), 128-column aligned.
 
     Returns:
       `(log_prob, entropy)`, float32 `[...]`; `entropy` is None without entropy.
       Gradients w.r.t. `hidden` and `weight` have their dtypes (fp32 accumulation,
       rounded once).
 
-    Memory beyond the inputs, outputs and gradients: one chunk of fp32 logits and
-    its fp32 gradient, `chunk_size * V_loc * 4 * 2` bytes, plus the fp32 `d weight`
-    accumulator, `V_loc * H * 4` bytes, and O(T) floats of statistics. (XLA may keep
-    a few more `[chunk_size, V_loc]` fp32 temporaries within a chunk; never `[T, V_loc]`.)
+    Memory beyond the inputs, outputs and gradients: one chunk of fp32 logits, its
+    fp32 gradient and that gradient in the inputs' dtype, `T * chunk_size * 10`
+    bytes for bf16, plus the fp32 `d hidden` accumulator `T * H * 4` and O(T) floats
+    of statistics; never `[T, V_loc]`. With the default chunk that is under 1/8 of
+    the bf16 logits' size plus `T * H * 4`.
 
     Vocab parallel `d hidden`: every shard's logits depend on all of `hidden`, so
     its gradient is the sum over shards. The op returns the full sum: under
@@ -288,7 +361,7 @@ def linear_logprob_entropy(
         chunk = chunk_size or default_chunk_size(num_tokens, num_vocab)
         stats = _linear_local_stats(flat_hidden, weight, local_targets, flat_mask, 1.0 / tau,
                                     bool(with_entropy), bool(entropy_grad), impl, config,
-                                    int(min(chunk, num_tokens)))
+                                    int(min(chunk, num_vocab)))
         log_prob, entropy = combine(stats, targets_valid, entropy_grad=bool(entropy_grad),
                                     axis_name=axis_name)
 

@@ -7,8 +7,8 @@
     d_hidden, d_weight_acc = local_backward(hidden, weight, targets, gathered, ...,
                                             d_weight_acc)
 
-Both walk the rows in chunks of `chunk` (`linear._over_chunks`), so no `[T, V_loc]`
-logits or gradient exist beyond one `[chunk, V_loc]` fp32 chunk. `local_backward`
+Both walk the vocabulary in chunks of `chunk` columns (`linear._over_columns`), so no
+`[T, V_loc]` logits or gradient exist beyond one `[T, chunk]` fp32 chunk. `local_backward`
 needs no collective: the cotangent of this shard's statistics is the VJP of the
 combine with respect to its own row of `gathered` (as in `staged.local_backward`).
 Its `d hidden` is this shard's part of the sum over shards; summing it (or not) is
@@ -30,10 +30,10 @@ from jaxops.pallas_config import PallasConfig
 from jaxops.staged import _combine_stack, _local_targets, _pack, _unpack
 
 
-def chunk_rows(num_tokens: int, local_vocab: int, chunk_size: int | None) -> int:
-    """Rows per chunk for `num_tokens` rows: `chunk_size` (None: `default_chunk_size`),
-    capped at `num_tokens`."""
-    return max(1, min(num_tokens, chunk_size or default_chunk_size(num_tokens, local_vocab)))
+def chunk_columns(num_tokens: int, local_vocab: int, chunk_size: int | None) -> int:
+    """Vocabulary columns per chunk for `num_tokens` rows: `chunk_size` (None:
+    `default_chunk_size`), capped at `local_vocab`."""
+    return max(1, min(local_vocab, chunk_size or default_chunk_size(num_tokens, local_vocab)))
 
 
 def local_forward(hidden, weight, targets, keep_mask, shard_index, *, inv_tau: float,

@@ -1,10 +1,10 @@
-"""`jaxops.linear_logprob_entropy` (the output layer fused into the op, chunked over tokens)
+"""`jaxops.linear_logprob_entropy` (the output layer fused into the op, chunked over the vocabulary)
 against the float64 reference: `implementation="reference"` on the same hidden and weight
 values upcast to float64 (tests/_linear_cases.py), with tests/_oracle.py's tolerances.
 
 Values and both gradients (hidden, weight) through `jax.vjp` with random cotangents for
 both outputs; every flag; fp32, bf16, fp16; T = 0 and 1; leading dims; chunk sizes that do
-and do not divide T; H and V that are no multiple of any tile. Pallas runs in interpret
+and do not divide V; H and V that are no multiple of any tile. Pallas runs in interpret
 mode on CPU, so its shapes are tiny. Vocab-parallel checks run in a subprocess with fake
 CPU devices (tests/_linear_head_worker.py); a lowering check shows no `[T, V_loc]` array.
 """
@@ -146,10 +146,12 @@ def test_matches_unfused_op_in_float32():
 
 
 def test_default_chunk_size():
-    assert default_chunk_size(5, 151_936) == 5  # capped at T
-    rows = default_chunk_size(100_000, 151_936)
-    assert rows % 8 == 0 and rows * 151_936 * 4 <= 256 * 2**20 < (rows + 8) * 151_936 * 4
-    assert default_chunk_size(100_000, 10**9) == 8  # at least 8 rows
+    assert default_chunk_size(5, 151_936) == 151_936  # capped at V_loc
+    cols = default_chunk_size(16_384, 151_936)  # 1/24 of the bf16 logits' bytes
+    budget = 16_384 * 151_936 * 2 // 24
+    assert cols % 128 == 0 and 16_384 * cols * 4 <= budget < 16_384 * (cols + 128) * 4
+    assert default_chunk_size(1000, 151_936) * 1000 * 4 <= 64 * 2**20  # the floor budget
+    assert default_chunk_size(10**7, 1000) == 128  # at least 128 columns
 
 
 # ------------------------------------------------------------------ no [T, V_loc] array
@@ -160,9 +162,9 @@ _HLO_ARRAY = re.compile(r"\b(pred|bf16|[suf]\d+)\[([0-9,]*)\]")
 
 @pytest.mark.parametrize("mask", [False, True])
 def test_no_full_logits_in_lowered_forward_and_backward(mask):
-    """Lower value-and-grad at T = 4096, V_loc = 8192, chunk 256 from abstract inputs:
-    no float array in the StableHLO has more than chunk * V_loc elements (the only
-    T * V_loc array is the bool mask, an input)."""
+    """Lower value-and-grad at T = 4096, V_loc = 8192, chunks of 256 columns from
+    abstract inputs: no float array in the StableHLO has more than T * chunk elements
+    (the only T * V_loc array is the bool mask, an input)."""
     num_tokens, num_vocab, hidden_size, chunk = 4096, 8192, 64, 256
 
     def loss(hidden, weight, targets, keep_mask, g_lp, g_h):
@@ -182,7 +184,7 @@ def test_no_full_logits_in_lowered_forward_and_backward(mask):
              for dims, kind in _TENSOR.findall(text)]
     assert sizes, text[:2000]
     largest_float = max(n for n, kind in sizes if kind != "i1")
-    assert largest_float == chunk * num_vocab, largest_float  # one chunk, no more
+    assert largest_float == num_tokens * chunk, largest_float  # one chunk, no more
     full = {kind for n, kind in sizes if n >= num_tokens * num_vocab}
     assert full == ({"i1"} if mask else set()), full
 
@@ -191,8 +193,8 @@ def test_no_full_logits_in_lowered_forward_and_backward(mask):
     compiled = lowered.compile()
     sizes = [(int(np.prod([int(d) for d in dims.split(",") if d])), kind)
              for kind, dims in _HLO_ARRAY.findall(compiled.as_text())]
-    assert max(n for n, kind in sizes if kind != "pred") <= chunk * num_vocab
-    assert {kind for n, kind in sizes if n > chunk * num_vocab} <= {"pred"}
+    assert max(n for n, kind in sizes if kind != "pred") <= num_tokens * chunk
+    assert {kind for n, kind in sizes if n > num_tokens * chunk} <= {"pred"}
     stats = compiled.memory_analysis()
     if stats is not None:
         assert stats.temp_size_in_bytes < num_tokens * num_vocab * 4 // 2, stats

@@ -43,12 +43,11 @@ def local_forward(*, shard_index, world, inv_tau, with_entropy, masked, implemen
 
 @_cached
 def zero_accumulator():
-    """fn(weight, after) -> fp32 zeros shaped like `weight`. `after` (any array imported
-    for this call) is an argument, kept although unused, so that this computation --
-    like every other of a bridge call -- waits for the import that ordered JAX after
-    torch's stream before it writes memory that torch may just have released to JAX."""
-    return jax.jit(lambda weight, after: jnp.zeros(weight.shape, jnp.float32),
-                   keep_unused=True)
+    """fn(weight) -> fp32 zeros shaped like `weight`. `weight` (a view imported for this
+    call) is an argument, kept although unused, so that this computation -- like every
+    other of a bridge call -- waits for the import that ordered JAX after torch's
+    stream before it writes memory that torch may just have released to JAX."""
+    return jax.jit(lambda weight: jnp.zeros(weight.shape, jnp.float32), keep_unused=True)
 
 
 @_cached

@@ -186,13 +186,13 @@ def _import(xfer, tensors):
 
 
 class ForwardState:
-    """What the backward reuses: the JAX views of the weight and of each window's
-    inputs, and each window's statistics `[R, K, b]`."""
+    """What the backward reuses: the JAX views of each window's inputs and each
+    window's statistics `[R, K, b]` (the backward imports the weight again)."""
 
-    __slots__ = ("plan", "weight", "views", "stats")
+    __slots__ = ("plan", "views", "stats")
 
-    def __init__(self, plan, weight, views, stats):
-        self.plan, self.weight, self.views, self.stats = plan, weight, views, stats
+    def __init__(self, plan, views, stats):
+        self.plan, self.views, self.stats = plan, views, stats
 
 
 def forward(plan: Plan, inv_tau, with_entropy, chunk_size, group_name, rank, world):
@@ -210,7 +210,7 @@ def forward(plan: Plan, inv_tau, with_entropy, chunk_size, group_name, rank, wor
         results = [fn(v[0], j_weight, v[1], v[2]) for v in views]
         outputs = _run.assemble(plan, [xfer.to_torch(o) for o, _ in results],
                                 (1 + with_entropy,))
-        return outputs, ForwardState(plan, j_weight, views, [s for _, s in results])
+        return outputs, ForwardState(plan, views, [s for _, s in results])
 
     num_stats = staged.num_packed(with_entropy, masked)
     packed = _run.assemble(plan, [xfer.to_torch(fn(v[0], j_weight, v[1], v[2]))
@@ -227,7 +227,7 @@ def forward(plan: Plan, inv_tau, with_entropy, chunk_size, group_name, rank, wor
     j_stats = [xfer.to_jax(s) for s in stat_windows]
     outputs = _run.assemble(plan, [xfer.to_torch(combine(s, v[1]))
                                    for s, v in zip(j_stats, views)], (1 + with_entropy,))
-    return outputs, ForwardState(plan, j_weight, views, j_stats)
+    return outputs, ForwardState(plan, views, j_stats)
 
 
 def backward(state: ForwardState, d_log_prob, d_entropy, inv_tau, with_entropy, entropy_grad,
@@ -247,7 +247,10 @@ def backward(state: ForwardState, d_log_prob, d_entropy, inv_tau, with_entropy, 
             d[:w.skip] = 0
         d_windows.append(_run.small(d, dev))
     xfer = dev.begin()  # JAX waits for every torch op above
-    j_d = [xfer.to_jax(d) for d in d_windows]  # j_d[0] is the first import: see below
+    # The weight again (not the forward's view): as this call's first import it is an
+    # input of its first computation, which orders that after torch's stream.
+    j_weight = xfer.to_jax(plan.weight)
+    j_d = [xfer.to_jax(d) for d in d_windows]
     fn = _linear_jaxfns.local_backward(
         shard_index=rank, inv_tau=inv_tau, with_entropy=with_entropy,
         entropy_grad=entropy_grad, masked=plan.mask is not None,
@@ -255,13 +258,10 @@ def backward(state: ForwardState, d_log_prob, d_entropy, inv_tau, with_entropy, 
         implementation=plan.implementation, config=plan.config,
         target_mode=plan.target_mode, chunk_size=chunk_size,
         want_d_hidden=want_d_hidden, want_d_weight=want_d_weight)
-    acc = None
-    if want_d_weight:
-        # j_d[0] orders it after torch's stream (the rule of `_dlpack.Transfer`).
-        acc = _linear_jaxfns.zero_accumulator()(state.weight, j_d[0])
+    acc = _linear_jaxfns.zero_accumulator()(j_weight) if want_d_weight else None
     pieces = []
     for v, s, d in zip(state.views, state.stats, j_d):
-        d_hidden_w, acc = fn(v[0], state.weight, v[1], v[2], s, d, acc)
+        d_hidden_w, acc = fn(v[0], j_weight, v[1], v[2], s, d, acc)
         pieces.append(d_hidden_w)
     d_weight = None
     if want_d_weight:
@@ -297,9 +297,9 @@ def _empty_outputs(hidden, with_entropy):
 
 
 class _LinearFunction(torch.autograd.Function):
-    """Eager autograd for `linear_logprob_entropy`. Keeps the forward's JAX views (weight,
-    each window's inputs and statistics) for the backward, which imports only the
-    incoming gradients; the torch inputs are saved too, so autograd still detects
+    """Eager autograd for `linear_logprob_entropy`. Keeps the forward's JAX views (each
+    window's inputs and statistics) for the backward, which imports only the weight and
+    the incoming gradients; the torch inputs are saved too, so autograd still detects
     in-place changes between forward and backward."""
 
     @staticmethod

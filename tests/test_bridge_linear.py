@@ -1,0 +1,383 @@
+"""Tests of `bridge.linear_logprob_entropy` (the output layer fused into the bridge's op):
+values and gradients to hidden and weight against a float64 torch reference, every flag,
+T = 0 / 1 / not a power of two, row windows (overlapping ones included), bounded
+compiles, bad calls, zero copy, TP = 1 and 2 (spawned gloo ranks), and one CUDA size.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+
+import pytest
+import torch
+
+import bridge
+from bridge import _dlpack, _jaxfns, _linear_jaxfns
+from bridge import linear as blinear
+
+import _bridge_linear_worker as W
+import _bridge_scenarios as S
+from _oracle import VALUE_RTOL, grad_rtol
+
+CPU = torch.device("cpu")
+
+
+def make(T, H, V, dtype=torch.float32, *, masked=False, seed=0, device=CPU, scale=1.0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, H, generator=gen).to(dtype)
+    weight = (torch.randn(V, H, generator=gen) * scale / math.sqrt(H) * 3).to(dtype)
+    y = torch.randint(0, V, (T,), generator=gen)
+    mask = (torch.rand(T, V, generator=gen) < 0.4) if masked else None
+    if masked and T > 2:
+        mask[1] = False  # only the target counts: log_prob = 0
+        mask[2, y[2]] = False  # the target counts with its bit off
+    g_lp, g_h = torch.randn(T, generator=gen), torch.randn(T, generator=gen)
+    mv = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return tuple(mv(t) for t in (hidden, weight, y, mask, g_lp, g_h))
+
+
+def check(hidden, weight, y, mask, g_lp, g_h, *, temperature=1.0, with_entropy=True,
+          entropy_grad=True, chunk_size=None, implementation=None, grad_slack=1.0, **kw):
+    """One call against the float64 reference: values, dtypes, d hidden and d weight
+    (for the combined cotangent and, with an entropy gradient, the log-prob alone)."""
+    dtype = hidden.dtype
+    h_in = hidden.clone().requires_grad_()
+    w_in = weight.clone().requires_grad_()
+    lp, ent = bridge.linear_logprob_entropy(
+        h_in, w_in, y, keep_mask=mask, temperature=temperature, with_entropy=with_entropy,
+        entropy_grad=entropy_grad, chunk_size=chunk_size, implementation=implementation, **kw)
+    hr = hidden.double().requires_grad_()
+    wr = weight.double().requires_grad_()
+    lp_r, ent_r = W.reference(hr, wr, y, mask, temperature)
+    x_max = float((hidden.double() @ weight.double().T).abs().max()) / temperature
+    atol = VALUE_RTOL * max(1.0, x_max)
+    T = hidden.shape[0]
+    assert lp.dtype == torch.float32 and lp.shape == (T,)
+    assert float((lp.double() - lp_r).abs().max()) <= atol
+    if with_entropy:
+        assert ent.dtype == torch.float32 and ent.shape == (T,)
+        assert float((ent.double() - ent_r).abs().max()) <= atol
+        assert ent.requires_grad == entropy_grad
+    else:
+        assert ent is None
+    tol = grad_rtol(dtype, x_max) * grad_slack
+    cases = [([lp], [g_lp], [lp_r])]
+    if with_entropy and entropy_grad:
+        cases.append(([lp, ent], [g_lp, g_h], [lp_r, ent_r]))
+    for outs, cots, refs in cases:
+        dh, dw = torch.autograd.grad(outs, [h_in, w_in], cots, retain_graph=True)
+        dh_r, dw_r = torch.autograd.grad(refs, [hr, wr], [c.double() for c in cots],
+                                         retain_graph=True)
+        assert dh.dtype == dtype and dw.dtype == dtype
+        assert S.rel_err(dh, dh_r) <= tol, f"d hidden: {S.rel_err(dh, dh_r):.3g} > {tol:.3g}"
+        assert S.rel_err(dw, dw_r) <= tol, f"d weight: {S.rel_err(dw, dw_r):.3g} > {tol:.3g}"
+    if with_entropy and not entropy_grad:
+        # using the forward-only entropy in a loss changes no gradient
+        a = torch.autograd.grad((lp * g_lp).sum() + (ent * g_h).sum(), [h_in, w_in],
+                                retain_graph=True)
+        b = torch.autograd.grad((lp * g_lp).sum(), [h_in, w_in])
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
+    return lp, ent
+
+
+# ---------------------------------------------------------------------------
+# against float64: shapes, dtypes, flags, windows
+# ---------------------------------------------------------------------------
+
+# (T, H, V, dtype, masked, temperature, with_entropy, entropy_grad, chunk_size)
+CASES = {
+    "t1": (1, 7, 10, torch.float32, False, 1.0, True, True, None),
+    # H, V not multiples of anything: rows misaligned for windows -> one window of T
+    "odd_mask_tau": (13, 19, 23, torch.float32, True, 0.7, True, True, 3),
+    # 64-byte hidden rows: windows 16, 8 and an overlapping 8 (skip 3) over T = 29
+    "windows_mask": (29, 16, 64, torch.float32, True, 1.3, True, True, 5),
+    "windows_bf16": (29, 32, 45, torch.bfloat16, False, 1.0, True, True, None),
+    "bf16_mask_fwd_entropy": (11, 21, 37, torch.bfloat16, True, 0.9, True, False, 4),
+    "no_entropy": (29, 16, 33, torch.float32, False, 1.0, False, False, 7),
+    "fp16": (10, 24, 31, torch.float16, True, 1.0, True, True, None),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_against_float64(name):
+    T, H, V, dtype, masked, tau, with_entropy, entropy_grad, chunk = CASES[name]
+    check(*make(T, H, V, dtype, masked=masked, seed=zlib.crc32(name.encode()) % 1000), temperature=tau,
+          with_entropy=with_entropy, entropy_grad=entropy_grad, chunk_size=chunk)
+
+
+def test_overlapping_windows_are_exercised():
+    """The windows case above does run an overlapping last window (d weight must not
+    count its recomputed rows twice), and the odd case one exact window."""
+    hidden, weight, y, mask, *_ = make(29, 16, 64, masked=True)
+    windows = blinear.Plan(hidden, weight, y, mask, "").windows
+    assert len(windows) == 3 and windows[-1].skip > 0, windows
+    hidden, weight, y, mask, *_ = make(13, 19, 23, masked=True)
+    assert blinear.Plan(hidden, weight, y, mask, "").windows == ((0, 13, 0),)
+
+
+def test_matches_bridge_op_on_materialised_logits():
+    """Same numbers as bridge.logprob_entropy on the fp32 logits hidden @ weight.T."""
+    hidden, weight, y, mask, g_lp, g_h = make(21, 16, 40, masked=True, seed=4)
+    h1, w1 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = bridge.linear_logprob_entropy(h1, w1, y, keep_mask=mask, temperature=0.8,
+                                            chunk_size=6)
+    g1 = torch.autograd.grad([lp, ent], [h1, w1], [g_lp, g_h])
+    h2, w2 = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp2, ent2 = bridge.logprob_entropy(h2 @ w2.T, y, keep_mask=mask, temperature=0.8)
+    g2 = torch.autograd.grad([lp2, ent2], [h2, w2], [g_lp, g_h])
+    for a, b in zip((lp, ent) + g1, (lp2, ent2) + g2):
+        torch.testing.assert_close(a, b, rtol=2e-5, atol=2e-6)
+
+
+def test_pallas_interpret_matches_xla():
+    hidden, weight, y, mask, g_lp, g_h = make(5, 8, 21, masked=True, seed=2)
+    outs = {}
+    for impl in ("xla", "pallas"):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        lp, ent = bridge.linear_logprob_entropy(h, w, y, keep_mask=mask, temperature=0.9,
+                                                implementation=impl)
+        outs[impl] = (lp, ent) + torch.autograd.grad([lp, ent], [h, w], [g_lp, g_h])
+    for a, b in zip(outs["xla"], outs["pallas"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("with_entropy", [True, False])
+def test_empty(with_entropy):
+    hidden = torch.randn(0, 5, requires_grad=True)
+    weight = torch.randn(7, 5, requires_grad=True)
+    lp, ent = bridge.linear_logprob_entropy(hidden, weight, torch.zeros(0, dtype=torch.long),
+                                            with_entropy=with_entropy)
+    assert lp.shape == (0,) and lp.dtype == torch.float32
+    assert (ent is None) == (not with_entropy)
+    loss = lp.sum() + (ent.sum() if with_entropy else 0)
+    dh, dw = torch.autograd.grad(loss, [hidden, weight])
+    assert dh.shape == (0, 5) and dw.shape == (7, 5) and not dw.any()
+
+
+def test_only_the_gradients_autograd_needs():
+    """A frozen weight (or hidden) gets no gradient computed; the other is unchanged."""
+    hidden, weight, y, _, g_lp, g_h = make(12, 16, 20, seed=5)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = bridge.linear_logprob_entropy(h, w, y)
+    dh, dw = torch.autograd.grad([lp, ent], [h, w], [g_lp, g_h])
+    lp, ent = bridge.linear_logprob_entropy(h, weight, y)
+    assert torch.equal(torch.autograd.grad([lp, ent], h, [g_lp, g_h])[0], dh)
+    lp, ent = bridge.linear_logprob_entropy(hidden, w, y)
+    assert torch.equal(torch.autograd.grad([lp, ent], w, [g_lp, g_h])[0], dw)
+    with torch.no_grad():
+        lp2, _ = bridge.linear_logprob_entropy(h, w, y)
+    assert not lp2.requires_grad and torch.equal(lp2, lp.detach())
+
+
+def test_entropy_gradient_alone():
+    """Only the entropy is used: the log-prob's cotangent is None."""
+    hidden, weight, y, _, _, g_h = make(6, 8, 12, seed=6)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    _, ent = bridge.linear_logprob_entropy(h, w, y, temperature=1.2)
+    dh, dw = torch.autograd.grad(ent, [h, w], g_h)
+    hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    dh_r, dw_r = torch.autograd.grad(W.reference(hr, wr, y, None, 1.2)[1], [hr, wr],
+                                     g_h.double())
+    assert S.rel_err(dh, dh_r) <= 1e-5 and S.rel_err(dw, dw_r) <= 1e-5
+
+
+def test_process_group_of_one_equals_none():
+    hidden, weight, y, mask, *_ = make(7, 8, 12, masked=True, seed=7)
+    with S.one_rank_group("gloo", timeout_s=60) as pg:
+        for reduce in (False, True):
+            a = bridge.linear_logprob_entropy(hidden, weight, y, keep_mask=mask)
+            b = bridge.linear_logprob_entropy(hidden, weight, y, keep_mask=mask,
+                                              process_group=pg, reduce_hidden_grad=reduce)
+            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_varying_t_compiles_a_bounded_set():
+    """T changes every call (random in [1, 100]): every call is right, and the programs
+    compiled are at most one per power-of-two window size (1 ... 64) for the forward
+    and for each backward configuration (`check` differentiates the log-prob alone and
+    log-prob + entropy: two), plus the accumulator's zero-fill -- however many T."""
+    H, V = 16, 24  # 64-byte hidden rows: every window start aligned
+    gen = torch.Generator().manual_seed(11)
+    before = _jaxfns.compiled_programs()
+    for T in torch.randint(1, 101, (16,), generator=gen).tolist():
+        check(*make(T, H, V, seed=T), temperature=0.9, chunk_size=8)
+    compiled = _jaxfns.compiled_programs() - before
+    assert compiled <= 7 * 3 + 1, f"{compiled} programs for 16 calls with T in [1, 100]"
+
+
+def test_torch_compile_graph_breaks_around_it():
+    """Under torch.compile (not fullgraph) the call runs eagerly between graphs."""
+    torch._dynamo.reset()
+    hidden, weight, y, mask, g_lp, g_h = make(6, 8, 12, masked=True, seed=8)
+
+    def loss(h, w):
+        lp, ent = bridge.linear_logprob_entropy(h * 1.0, w, y, keep_mask=mask)
+        return (lp * g_lp).sum() + (ent * g_h).sum()
+
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    compiled = torch.compile(loss, backend="eager")(h, w)
+    grads = torch.autograd.grad(compiled, [h, w])
+    eager = loss(h, w)
+    grads_e = torch.autograd.grad(eager, [h, w])
+    assert torch.equal(compiled, eager)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_e))
+
+
+# ---------------------------------------------------------------------------
+# zero copy
+# ---------------------------------------------------------------------------
+
+def test_zero_copy_of_hidden_and_weight(monkeypatch):
+    hidden, weight, y, _, _, _ = make(8, 16, 20, seed=9)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    seen = []
+    to_jax = _dlpack.Transfer.to_jax
+
+    def spy(self, t):
+        a = to_jax(self, t)
+        seen.append((t.data_ptr(), a.unsafe_buffer_pointer(), tuple(t.shape)))
+        return a
+
+    monkeypatch.setattr(_dlpack.Transfer, "to_jax", spy)
+    lp, ent = bridge.linear_logprob_entropy(hidden, weight, y)
+    torch.autograd.grad(lp.sum() + ent.sum(), [hidden, weight])
+    assert all(src == dst for src, dst, _ in seen), "a copy was made on import"
+    imported = {(p, s) for p, _, s in seen}
+    assert (hidden.data_ptr(), (8, 16)) in imported and (weight.data_ptr(), (20, 16)) in imported
+    assert not any(s == (8, 20) for _, _, s in seen), "a [T, V] tensor crossed over"
+
+
+# ---------------------------------------------------------------------------
+# bad calls: a clear TypeError / ValueError before any kernel runs
+# ---------------------------------------------------------------------------
+
+@pytest.fixture
+def no_kernels(monkeypatch):
+    def refuse(**_):
+        raise AssertionError("a kernel was launched before the error")
+
+    for name in ("local_forward", "local_backward", "zero_accumulator"):
+        monkeypatch.setattr(_linear_jaxfns, name, refuse)
+
+
+def _bad_calls():
+    hidden, weight, y, mask, *_ = make(4, 6, 12, masked=True)
+    big = torch.randn(5, 12)  # 48-byte rows: big[1:] is not 64-byte aligned
+    cases = [
+        ("hidden not a tensor", TypeError, "hidden must be a torch.Tensor",
+         dict(hidden=hidden.numpy())),
+        ("weight not a tensor", TypeError, "weight must be a torch.Tensor",
+         dict(weight=[[1.0]])),
+        ("hidden 3-D", ValueError, r"\[T, H\]", dict(hidden=hidden[None])),
+        ("weight 1-D", ValueError, r"\[V_loc, H\]", dict(weight=weight[0])),
+        ("H disagrees", ValueError, "H must agree", dict(weight=torch.randn(12, 5))),
+        ("hidden integer", TypeError, "float32, bfloat16 or float16",
+         dict(hidden=hidden.long(), weight=weight.long())),
+        ("hidden float64", TypeError, "float32, bfloat16 or float16",
+         dict(hidden=hidden.double(), weight=weight.double())),
+        ("dtypes differ", TypeError, "same dtype", dict(weight=weight.bfloat16())),
+        ("targets float", TypeError, "integer token ids", dict(targets=y.float())),
+        ("targets wrong length", ValueError, r"shape \[T\] = \[4\]", dict(targets=y[:3])),
+        ("targets on another device", ValueError, "targets is on",
+         dict(targets=y.to("meta"))),
+        ("weight on another device", ValueError, "weight is on",
+         dict(weight=weight.to("meta"))),
+        ("mask not bool", TypeError, "keep_mask must be a bool", dict(keep_mask=mask.int())),
+        ("mask wrong shape", ValueError, r"\[T, V_loc\] = \[4, 12\]",
+         dict(keep_mask=mask[:, :5])),
+        ("temperature 0", ValueError, "temperature", dict(temperature=0.0)),
+        ("temperature nan", ValueError, "temperature", dict(temperature=math.nan)),
+        ("temperature tensor", TypeError, "temperature", dict(temperature=torch.tensor(1.0))),
+        ("with_entropy not bool", TypeError, "with_entropy", dict(with_entropy=1)),
+        ("entropy_grad not bool", TypeError, "entropy_grad", dict(entropy_grad=None)),
+        ("reduce_hidden_grad not bool", TypeError, "reduce_hidden_grad",
+         dict(reduce_hidden_grad="yes")),
+        ("chunk_size 0", ValueError, "chunk_size", dict(chunk_size=0)),
+        ("chunk_size float", ValueError, "chunk_size", dict(chunk_size=2.0)),
+        ("chunk_size bool", ValueError, "chunk_size", dict(chunk_size=True)),
+        ("bad implementation", ValueError, "implementation", dict(implementation="cuda")),
+        ("bad process_group", TypeError, "process_group", dict(process_group="tp")),
+        ("hidden transposed", ValueError, "hidden must be contiguous",
+         dict(hidden=torch.randn(6, 4).t())),
+        ("weight transposed", ValueError, "weight must be contiguous",
+         dict(weight=torch.randn(6, 12).t())),
+        ("weight misaligned", ValueError, "aligned.*does not copy",
+         dict(weight=big[1:], hidden=torch.randn(4, 12), keep_mask=None)),
+        ("out-of-range target", ValueError, r"\[0, 12\)",
+         dict(targets=torch.tensor([0, 1, 12, 3]), check_targets=True)),
+    ]
+    return [pytest.param(expected, pattern,
+                         dict(dict(hidden=hidden, weight=weight, targets=y), **kw), id=name)
+            for name, expected, pattern, kw in cases]
+
+
+@pytest.mark.parametrize("expected, pattern, kwargs", _bad_calls())
+def test_bad_calls(expected, pattern, kwargs, no_kernels):
+    hidden, weight, targets = (kwargs.pop(k) for k in ("hidden", "weight", "targets"))
+    with pytest.raises(expected, match=pattern):
+        bridge.linear_logprob_entropy(hidden, weight, targets, **kwargs)
+
+
+def test_out_of_range_target_is_nan_by_default():
+    hidden, weight, y, *_ = make(5, 8, 11, seed=10)
+    good, _ = bridge.linear_logprob_entropy(hidden, weight, y)
+    y[3] = 11
+    lp, ent = bridge.linear_logprob_entropy(hidden, weight, y)
+    assert torch.isnan(lp[3]) and torch.equal(lp[[0, 1, 2, 4]], good[[0, 1, 2, 4]])
+    assert torch.isfinite(ent).all()
+
+
+# ---------------------------------------------------------------------------
+# vocab parallel: spawned gloo ranks
+# ---------------------------------------------------------------------------
+
+def test_vocab_parallel_gloo_two_ranks(tmp_path):
+    """TP = 2: values, d weight per shard, d hidden with reduce_hidden_grad True (the op
+    sums) and False (Megatron's copy-to-region autograd sums; the op alone does not),
+    collective counts, T = 0, unequal shards."""
+    failures = W.spawn(2, str(tmp_path))
+    assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------------------------------------------
+# CUDA
+# ---------------------------------------------------------------------------
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_bf16_against_fp32_reference():
+    """T = 4096, H = 1024, V = 32768 in bf16 (Pallas statistics on each chunk) against
+    torch's fp32 logits; torch allocates nothing [T, V] for the op."""
+    cuda = torch.device("cuda", 0)
+    T, H, V = 4096, 1024, 32768
+    gen = torch.Generator(device=cuda).manual_seed(0)
+    hidden = torch.randn(T, H, device=cuda, generator=gen).bfloat16().requires_grad_()
+    weight = (torch.randn(V, H, device=cuda, generator=gen) * 0.1).bfloat16().requires_grad_()
+    y = torch.randint(0, V, (T,), device=cuda, generator=gen)
+    g_lp, g_h = torch.randn(T, device=cuda, generator=gen), torch.randn(T, device=cuda,
+                                                                        generator=gen)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(cuda)
+    base = torch.cuda.memory_allocated(cuda)
+    lp, ent = bridge.linear_logprob_entropy(hidden, weight, y, temperature=0.9,
+                                            chunk_size=1024)
+    dh, dw = torch.autograd.grad([lp, ent], [hidden, weight], [g_lp, g_h])
+    torch.cuda.synchronize()
+    torch_peak = torch.cuda.max_memory_allocated(cuda) - base
+    assert torch_peak < T * V * 2, f"torch held {torch_peak / 2**20:.0f} MiB during the op"
+    assert dh.dtype == dw.dtype == torch.bfloat16
+
+    hr = hidden.detach().float().requires_grad_()
+    wr = weight.detach().float().requires_grad_()
+    z = (hr @ wr.T) / 0.9
+    lse = torch.logsumexp(z, -1)
+    lp_r = z.gather(1, y[:, None])[:, 0] - lse
+    ent_r = lse - (torch.softmax(z, -1) * z).sum(-1)
+    dh_r, dw_r = torch.autograd.grad([lp_r, ent_r], [hr, wr], [g_lp, g_h])
+    scale = max(1.0, float(z.detach().abs().max()))
+    # fp32 reference: its own error is ~1e-6 relative, far below bf16's gradient bound
+    assert float((lp - lp_r).abs().max()) <= 2e-5 * scale
+    assert float((ent - ent_r).abs().max()) <= 2e-5 * scale
+    assert S.rel_err(dh, dh_r) <= grad_rtol("bfloat16")
+    assert S.rel_err(dw, dw_r) <= grad_rtol("bfloat16")

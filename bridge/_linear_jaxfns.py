@@ -58,12 +58,14 @@ def round_accumulator(*, dtype):
 @_cached
 def local_backward(*, shard_index, inv_tau, with_entropy, entropy_grad, masked,
                    has_d_log_prob, has_d_entropy, implementation, config, target_mode,
-                   chunk_size, want_d_hidden, want_d_weight):
+                   chunk_size, want_d_hidden, d_weight_mode):
     """fn(hidden, weight, raw_targets, keep_mask, gathered [R, K, b], d_out [b, n], acc)
-    -> (d hidden [b, H] or None, acc + this window's d weight, fp32 [V_loc, H], or None).
+    -> (d hidden [b, H] or None, d weight [V_loc, H] or None).
 
-    `acc` (None without `want_d_weight`) is donated: the windows of a call chain one
-    fp32 accumulator through, with no second copy alive."""
+    d_weight_mode: "direct" -- the call's only window: d weight in weight's dtype, each
+    chunk's rows rounded once from their fp32 GEMM (`acc` is None); "accumulate" --
+    `acc` + this window's d weight, fp32; `acc` is donated, so the windows of a call
+    chain one accumulator through with no second copy alive; None: not computed."""
 
     def fn(hidden, weight, raw_targets, keep_mask, gathered, d_out, acc):
         targets = decode_targets(raw_targets, target_mode)
@@ -72,8 +74,9 @@ def local_backward(*, shard_index, inv_tau, with_entropy, entropy_grad, masked,
             hidden, weight, targets, keep_mask if masked else None, gathered, shard_index,
             d_out[:, 0] if has_d_log_prob else None,
             d_out[:, -1] if has_d_entropy else None,
-            acc if want_d_weight else None, inv_tau=inv_tau, with_entropy=with_entropy,
-            entropy_grad=entropy_grad, implementation=implementation, config=config,
-            chunk=chunk, want_d_hidden=want_d_hidden)
+            acc if d_weight_mode == "accumulate" else None, inv_tau=inv_tau,
+            with_entropy=with_entropy, entropy_grad=entropy_grad,
+            implementation=implementation, config=config, chunk=chunk,
+            want_d_hidden=want_d_hidden, want_d_weight=d_weight_mode == "direct")
 
-    return jax.jit(fn, donate_argnums=(6,) if want_d_weight else ())
+    return jax.jit(fn, donate_argnums=(6,) if d_weight_mode == "accumulate" else ())

@@ -1,10 +1,10 @@
 """`linear_logprob_entropy` for torch tensors: the output layer fused into the op.
 
 `bridge.logprob_entropy(hidden @ weight.T, targets, ...)` without the `[T, V_loc]` logits:
-JAX computes them `chunk_size` rows at a time from DLPack views of torch's `hidden` and
-`weight` (`jaxops/linear_staged.py`), folds them into the row statistics and drops them;
-the backward recomputes each chunk and contracts its `d logits` into `d hidden` and
-`d weight` (docs/design.md §10).
+JAX computes them `chunk_size` vocabulary columns at a time from DLPack views of torch's
+`hidden` and `weight` (`jaxops/linear_staged.py`, `jaxops/linear.py`), folds them into the
+row statistics and drops them; the backward recomputes each chunk and contracts its
+`d logits` into `d hidden` and `d weight` (docs/design.md §10).
 
 Data flow of one call (R ranks, K packed statistics per token, row windows w of a few
 power-of-two sizes as in `_run.py` / `_windows.py`):
@@ -14,21 +14,28 @@ power-of-two sizes as in `_run.py` / `_windows.py`):
               R  > 1: stats --> torch [K, T], ONE all-gather -> [R, K, T],
                       per w: combine -> outputs --> torch
     backward  per w: hidden[w], weight, stats[w], incoming gradients[w] --> JAX -->
-              d hidden[w] [b, H] and d weight added to one fp32 [V_loc, H] accumulator
-              that JAX carries from window to window (donated, so one copy is alive);
-              after the last window it is rounded once to the weight's dtype --> torch.
+              d hidden[w] [b, H] (JAX-allocated, exported) and d weight:
+                one window: d weight [V_loc, H] in weight's dtype --> torch, nothing more;
+                several:    added into one fp32 [V_loc, H] accumulator that JAX carries
+                            from window to window (donated: one copy alive), rounded
+                            once to weight's dtype after the last --> torch.
               R > 1 with reduce_hidden_grad=True: one all-reduce of d hidden [T, H].
 
 Windows and d weight. Unlike d logits, d weight is a sum over rows, so the rows that
 the last window recomputes (it ends at row T and may start up to `size - new` rows
 before the rows it is needed for, `_windows.py`) must not count twice: their incoming
-gradients are zeroed in that window (an O(b) torch copy), so they add exactly 0. What the
-windows cost on top of one chunked pass over T: the recomputed rows (at most T/7, zero
-when T is a power of two) go through the forward GEMM and the backward's three, one
-fp32 zero-fill of the accumulator per call, one extra read + write of the accumulator
-per additional chunk (a window's rows are at least one chunk), and for bf16/fp16 weights
-one fp32 -> dtype rounding pass over `[V_loc, H]`. d hidden comes back per window and,
-with several windows, is copied into one `[T, H]` tensor (O(T H), no GEMM).
+gradients are zeroed in that window (an O(b) torch copy), so they add exactly 0.
+What several windows cost over one pass over T (V_loc, H: weight's shape):
+  * the recomputed rows, at most T/7 (none when T is a power of two, and one window
+    covers T whenever T is a power of two <= 32,768): forward GEMM + backward's three;
+  * each window reads the whole weight again, forward and backward (the GEMMs read
+    it once per window instead of once per call);
+  * d weight: one fp32 zero-fill of the accumulator (4 V_loc H bytes), one read +
+    write of it per window (8 V_loc H bytes each), and for bf16/fp16 weights a rounding
+    pass (6 V_loc H bytes): 34 V_loc H bytes for 3 windows against the one-window
+    path's 2 -- 2.5 GB more at V_loc = 18,992, H = 4096, about 0.6 ms of H200
+    bandwidth; and 4 V_loc H bytes of JAX memory for the accumulator while it lives.
+  * d hidden comes back per window and is copied into one `[T, H]` tensor (O(T H)).
 
 Ordering is `_run.py`'s: torch work before `begin()`, JAX after the first import, the
 exports make torch's current stream wait. No host synchronisation by default.
@@ -251,20 +258,26 @@ def backward(state: ForwardState, d_log_prob, d_entropy, inv_tau, with_entropy, 
     # input of its first computation, which orders that after torch's stream.
     j_weight = xfer.to_jax(plan.weight)
     j_d = [xfer.to_jax(d) for d in d_windows]
+    # One window: d weight comes out in its dtype, with no fp32 accumulator at all.
+    mode = None if not want_d_weight else (
+        "direct" if len(plan.windows) == 1 else "accumulate")
     fn = _linear_jaxfns.local_backward(
         shard_index=rank, inv_tau=inv_tau, with_entropy=with_entropy,
         entropy_grad=entropy_grad, masked=plan.mask is not None,
         has_d_log_prob=d_log_prob is not None, has_d_entropy=d_entropy is not None,
         implementation=plan.implementation, config=plan.config,
         target_mode=plan.target_mode, chunk_size=chunk_size,
-        want_d_hidden=want_d_hidden, want_d_weight=want_d_weight)
-    acc = _linear_jaxfns.zero_accumulator()(j_weight) if want_d_weight else None
+        want_d_hidden=want_d_hidden, d_weight_mode=mode)
+    acc = _linear_jaxfns.zero_accumulator()(j_weight) if mode == "accumulate" else None
     pieces = []
     for v, s, d in zip(state.views, state.stats, j_d):
-        d_hidden_w, acc = fn(v[0], j_weight, v[1], v[2], s, d, acc)
+        d_hidden_w, d_weight_w = fn(v[0], j_weight, v[1], v[2], s, d, acc)
+        acc = d_weight_w if mode == "accumulate" else None
         pieces.append(d_hidden_w)
     d_weight = None
-    if want_d_weight:
+    if mode == "direct":
+        d_weight = xfer.to_torch(d_weight_w)
+    elif mode == "accumulate":
         if plan.weight.dtype != torch.float32:
             acc = _linear_jaxfns.round_accumulator(dtype=_jax_dtype(plan.weight.dtype))(acc)
         d_weight = xfer.to_torch(acc)
@@ -375,10 +388,10 @@ def linear_logprob_entropy(
 ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """`bridge.logprob_entropy(hidden @ weight.T, targets, ...)` without the logits.
 
-    The output layer fused into the op: JAX computes the logits `chunk_size` rows at a
-    time (fp32 accumulation, kept in fp32), folds them into per-row statistics and drops
-    them; the backward recomputes each chunk and contracts its d logits into d hidden
-    and d weight. No `[T, V_loc]` tensor is ever stored, in torch or in JAX.
+    The output layer fused into the op: JAX computes the logits `chunk_size` vocabulary
+    columns at a time (fp32 accumulation, kept in fp32), folds them into per-row
+    statistics and drops them; the backward recomputes each chunk and contracts its
+    d logits into d hidden and d weight. No `[T, V_loc]` tensor is ever stored, in torch or in JAX.
 
     Args:
       hidden: `[T, H]` float32, bfloat16 or float16, CPU or CUDA, contiguous: the input of
@@ -394,10 +407,13 @@ def linear_logprob_entropy(
         a one-off check of T, H and V_loc across ranks the first time the group is seen).
       keep_mask, temperature, with_entropy, entropy_grad, implementation, check_targets:
         as for `bridge.logprob_entropy` (keep_mask is `[T, V_loc]`).
-      chunk_size: rows of logits alive at once (any int >= 1); None: one fp32 chunk of
-        at most 256 MiB (`jaxops.linear.default_chunk_size`). Extra memory per rank:
-        `chunk_size * V_loc * 4 * 2` bytes (a chunk of fp32 logits and its gradient, plus
-        what XLA keeps within a chunk) and the fp32 d weight accumulator `V_loc * H * 4`.
+      chunk_size: vocabulary columns per chunk (any int >= 1); None:
+        `jaxops.linear.default_chunk_size(b, V_loc)` for a window of b rows (fp32 logits
+        of at most max(64 MiB, 1/24 of the window's bf16 logits), 128-column aligned).
+        Extra memory per rank, in JAX's pool: about `b * chunk_size * 10` bytes for bf16
+        (a chunk's fp32 logits, their fp32 gradient and that in bf16), the fp32 d hidden
+        accumulator `b * H * 4`, and with several windows the fp32 d weight accumulator
+        `V_loc * H * 4`; never `[T, V_loc]`.
       reduce_hidden_grad: what d hidden is with a process group of R > 1 ranks. The
         logits of every rank depend on all of `hidden`, so the true d hidden is the sum
         of the ranks' parts.

@@ -194,16 +194,26 @@ def test_process_group_of_one_equals_none():
 
 def test_varying_t_compiles_a_bounded_set():
     """T changes every call (random in [1, 100]): every call is right, and the programs
-    compiled are at most one per power-of-two window size (1 ... 64) for the forward
-    and for each backward configuration (`check` differentiates the log-prob alone and
-    log-prob + entropy: two), plus the accumulator's zero-fill -- however many T."""
+    compiled are at most, per power-of-two window size (1 ... 64), one forward and two
+    backwards (d weight direct when the window is the call's only one, accumulated
+    otherwise), plus the accumulator's zero-fill -- however many T."""
     H, V = 16, 24  # 64-byte hidden rows: every window start aligned
     gen = torch.Generator().manual_seed(11)
     before = _jaxfns.compiled_programs()
-    for T in torch.randint(1, 101, (16,), generator=gen).tolist():
-        check(*make(T, H, V, seed=T), temperature=0.9, chunk_size=8)
+    for T in torch.randint(1, 101, (16,), generator=gen).tolist() + [64, 32]:
+        hidden, weight, y, _, g_lp, g_h = make(T, H, V, seed=T)
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        lp, ent = bridge.linear_logprob_entropy(h, w, y, temperature=0.9, chunk_size=8)
+        dh, dw = torch.autograd.grad([lp, ent], [h, w], [g_lp, g_h])
+        hr, wr = hidden.double().requires_grad_(), weight.double().requires_grad_()
+        lp_r, ent_r = W.reference(hr, wr, y, None, 0.9)
+        dh_r, dw_r = torch.autograd.grad([lp_r, ent_r], [hr, wr], [g_lp.double(),
+                                                                   g_h.double()])
+        assert float((lp.detach().double() - lp_r).abs().max()) < 1e-5, T
+        assert float((ent.detach().double() - ent_r).abs().max()) < 1e-5, T
+        assert S.rel_err(dh, dh_r) < 1e-5 and S.rel_err(dw, dw_r) < 1e-5, T
     compiled = _jaxfns.compiled_programs() - before
-    assert compiled <= 7 * 3 + 1, f"{compiled} programs for 16 calls with T in [1, 100]"
+    assert compiled <= 7 * 3 + 1, f"{compiled} programs for 18 calls with T in [1, 100]"
 
 
 def test_torch_compile_graph_breaks_around_it():

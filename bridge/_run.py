@@ -30,7 +30,7 @@ from bridge._windows import row_align, row_windows
 from jaxops import implementations, staged
 from jaxops.pallas_config import PallasConfig
 
-IMPLEMENTATIONS = ("pallas", "xla")
+IMPLEMENTATIONS = ("pallas", "pallas_triton", "pallas_mosaic", "xla")
 PALLAS_CONFIG = PallasConfig()  # launch parameters for CUDA; interpret mode is added off-GPU
 
 _LITTLE_ENDIAN = sys.byteorder == "little"
@@ -235,8 +235,11 @@ def backward(plan: Plan, state: ForwardState | None, stats, d_log_prob, d_entrop
     inputs = None if state is not None else [
         plan.window_inputs(w) + (small(stats[:, :, w.start:w.start + w.size], dev),)
         for w in plan.windows]
-    write_through = dev.cuda and plan.implementation == "pallas"
-    can_write_into = write_through and implementations.kernels("pallas").can_write_into
+    # Kernels that can store through a torch-allocated buffer (the Triton backward);
+    # elsewhere JAX allocates the gradient and torch copies the windows' pieces.
+    can_write_into = dev.cuda and getattr(
+        implementations.kernels(plan.implementation), "can_write_into", None)
+    write_through = bool(can_write_into)
     grad = torch.empty_like(plan.logits) if write_through else None
     xfer = dev.begin()  # JAX waits for every torch op above
     if state is None:

@@ -117,7 +117,7 @@ def validate(hidden, weight, targets, keep_mask, temperature, with_entropy, entr
         raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
     if implementation not in (None, *IMPLEMENTATIONS):
         raise ValueError(
-            f"implementation must be None, 'pallas' or 'xla', got {implementation!r}")
+            f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
     inv_tau = _inv_temperature(temperature)
     check_shareable("hidden", hidden)
     check_shareable("weight", weight)

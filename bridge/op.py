@@ -109,7 +109,7 @@ def validate(logits, targets, keep_mask, temperature, with_entropy, entropy_grad
     _check_flag("entropy_grad", entropy_grad)
     if implementation not in (None, *IMPLEMENTATIONS):
         raise ValueError(
-            f"implementation must be None, 'pallas' or 'xla', got {implementation!r}")
+            f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
     inv_tau = _inv_temperature(temperature)
     check_shareable("logits", logits)
     if keep_mask is not None:
@@ -322,8 +322,9 @@ def logprob_entropy(
       temperature: a Python number > 0; logits / temperature in float32 in the kernel.
       with_entropy: False: entropy is None and no entropy work is done.
       entropy_grad: False: entropy is returned but is constant for autograd.
-      implementation: None ("pallas" on CUDA, "xla" on CPU), "pallas" (interpret
-        mode on CPU: slow, for tests) or "xla".
+      implementation: None ("pallas" on CUDA, "xla" on CPU), "pallas" (= the Triton
+        kernels), "pallas_triton", "pallas_mosaic" (Mosaic GPU kernels, Hopper+), all
+        three in interpret mode on CPU (slow, for tests), or "xla".
       check_targets: opt-in checks that cost a host sync per call: raise ValueError for
         targets outside the vocabulary (`bridge.check_targets`) and, with a process
         group, for ranks passing different T. Off by default (no host sync): an

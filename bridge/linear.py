@@ -416,15 +416,17 @@ def linear_logprob_entropy(
         `V_loc * H * 4`; never `[T, V_loc]`.
       reduce_hidden_grad: what d hidden is with a process group of R > 1 ranks. The
         logits of every rank depend on all of `hidden`, so the true d hidden is the sum
-        of the ranks' parts.
-        False (default): each rank gets its own part, as Megatron's ColumnParallelLinear
-        returns it -- use this at a Megatron/slime output layer, whose input came
-        through `copy_to_tensor_model_parallel_region` (backward: all-reduce over the
-        TP group) or `gather_from_sequence_parallel_region` (backward: reduce-scatter):
-        that autograd op does the sum, and reducing here too would count it R times.
+        of the ranks' parts. Megatron's ColumnParallelLinear does that sum inside its
+        own autograd (`allreduce_dgrad`, or the reduce-scatter mirroring its
+        sequence-parallel all-gather); replacing the layer by this op, the caller
+        supplies the input side.
+        False (default): each rank gets its own part. Use it behind an autograd op that
+        sums in its backward: `gather_from_sequence_parallel_region` (sequence
+        parallelism; needed anyway to get all T tokens on every rank; backward:
+        reduce-scatter) or `copy_to_tensor_model_parallel_region` (backward:
+        all-reduce). Reducing here as well would count d hidden R times.
         True: the op all-reduces d hidden over the group (one `[T, H]` all-reduce in
-        hidden's dtype, as Megatron's), for a `hidden` that reached every rank without
-        such an op (e.g. computed identically on every rank).
+        hidden's dtype, as Megatron's), for a `hidden` passed without such an op.
         Without a group (or R = 1) d hidden is complete either way.
 
     Any T works without recompiling: the rows are cut into zero-copy windows of a few

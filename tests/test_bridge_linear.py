@@ -85,7 +85,7 @@ def check(hidden, weight, y, mask, g_lp, g_h, *, temperature=1.0, with_entropy=T
 # against float64: shapes, dtypes, flags, windows
 # ---------------------------------------------------------------------------
 
-# (T, H, V, dtype, masked, temperature, with_entropy, entropy_grad, chunk_size)
+# (T, H, V, dtype, masked, temperature, with_entropy, entropy_grad, chunk_size in columns)
 CASES = {
     "t1": (1, 7, 10, torch.float32, False, 1.0, True, True, None),
     # H, V not multiples of anything: rows misaligned for windows -> one window of T
@@ -102,7 +102,8 @@ CASES = {
 @pytest.mark.parametrize("name", list(CASES))
 def test_against_float64(name):
     T, H, V, dtype, masked, tau, with_entropy, entropy_grad, chunk = CASES[name]
-    check(*make(T, H, V, dtype, masked=masked, seed=zlib.crc32(name.encode()) % 1000), temperature=tau,
+    seed = zlib.crc32(name.encode()) % 1000
+    check(*make(T, H, V, dtype, masked=masked, seed=seed), temperature=tau,
           with_entropy=with_entropy, entropy_grad=entropy_grad, chunk_size=chunk)
 
 

@@ -3,7 +3,11 @@
 
 One run, one device, every implementation side by side (docs/design.md §7, §8, issue 5):
 
-  jaxops-pallas   this project's op, Pallas kernels            (jax.jit)
+  jaxops-pallas_triton  this project's op, Pallas kernels lowered through Triton   (jax.jit)
+  jaxops-pallas_mosaic  the same through Mosaic GPU (Hopper)                       (jax.jit)
+  jaxops-pallas   implementation="pallas", an alias of one backend (Triton for now); run
+                  only when --filter names it (impl=jaxops-pallas), else it would time
+                  the same kernels twice
   jaxops-xla      this project's op, statistics in fused jnp   (jax.jit)
   bridge          the op called from PyTorch through `bridge.logprob_entropy`
   jax-jit         jax.jit(log_softmax + take + entropy), plain XLA
@@ -25,10 +29,11 @@ the JSON after every case (a timeout still leaves results).
     python -m benchmarks.bench --filter T=1024 --append --out $OUT/h200.json   # add rows
 
 (`python benchmarks/bench.py ...` runs the same.) Modes: full (default on a GPU) = every
-combination at every size (224 cases; more than one 10-minute device call: split it with
+combination at every size (256 cases; more than one 10-minute device call: split it with
 --filter and --append); --quick = every combination at T = 8192, V = 151,936, then fp32
-log-prob-only and bf16 with entropy at T = 32768, 1024 and V_loc (98 cases, < 8 min incl.
-compiles, and a --budget-s guard that starts no case after 450 s); --tiny = CPU smoke run.
+log-prob-only and bf16 with entropy at T = 32768, 1024 and V_loc (112 cases, both Pallas
+backends; ~6 min incl. compiles, and a --budget-s guard that starts no case after 450 s);
+--tiny = CPU smoke run (each Pallas backend once, in interpret mode).
 The sizes run in priority order and the JSON is rewritten after every case, so a timeout
 still leaves every finished row. --budget-s S: no case starts once S seconds have passed
 (S = 0: none starts, every row says "skipped: time budget"); --budget-s none: no budget.
@@ -63,7 +68,8 @@ def build_parser():
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Implementations: " + ", ".join(IMPLS))
+        epilog="Implementations: " + ", ".join(IMPLS) + " (jaxops-pallas, an alias of one "
+               "backend, only when --filter impl= names it)")
     add = parser.add_argument
     add("--device-name", default=None,
         help="results name, e.g. h200 (default: from the GPU name, or 'cpu')")
@@ -89,7 +95,12 @@ def build_parser():
     add("--temperature", type=float, default=1.0,
         help="tau (1.0: Megatron, which takes none, computes the same thing)")
     add("--pallas-config", default="",
-        help="PallasConfig fields for jaxops-pallas, e.g. block_v=4096,num_warps=8,prefetch=1")
+        help="PallasConfig fields for the Triton kernels (jaxops-pallas_triton and the "
+             "jaxops-pallas alias), e.g. block_v=4096,num_warps=8,prefetch=1; the Mosaic "
+             "kernels ignore it")
+    add("--mosaic-config", default="",
+        help="MosaicConfig fields for jaxops-pallas_mosaic, e.g. block_v=256,num_stages=4,"
+             "chunk_v=4096 (approx_math takes 0/1)")
     add("--bridge-kwargs", default="",
         help="extra keyword arguments for bridge.logprob_entropy, e.g. "
              "check_targets=False,implementation=pallas (default: none, as callers)")
@@ -150,6 +161,8 @@ def main(argv=None):
         args.budget_s = None
     args.pallas_config = (harness.pallas_config(args.pallas_config)
                           if args.pallas_config.strip(" ,") else None)
+    args.mosaic_config = (harness.mosaic_config(args.mosaic_config)
+                          if args.mosaic_config.strip(" ,") else None)
     args.bridge_kwargs = harness.parse_kwargs(args.bridge_kwargs)
     cases = build_cases(mode, filters)
 

@@ -8,9 +8,16 @@ import fnmatch
 
 from benchmarks.harness import BOOL
 
-IMPLS = ("jaxops-pallas", "jaxops-xla", "bridge", "jax-jit", "torch-compile", "torch-eager",
-         "megatron")
-JAX_IMPLS = ("jaxops-pallas", "jaxops-xla", "jax-jit")  # the others run from PyTorch
+# The op's Pallas kernels, per backend (issue 14 times both in one run): Triton and Mosaic
+# GPU; "jaxops-pallas" is implementation="pallas", an alias of one of them (Triton for
+# now), so it runs only when a --filter names it exactly: by default it would time the
+# same kernels twice.
+PALLAS_IMPLS = ("jaxops-pallas_triton", "jaxops-pallas_mosaic", "jaxops-pallas")
+ALIAS_IMPLS = ("jaxops-pallas",)
+IMPLS = PALLAS_IMPLS + ("jaxops-xla", "bridge", "jax-jit", "torch-compile", "torch-eager",
+                        "megatron")  # every name --filter impl= knows, in run order
+DEFAULT_IMPLS = tuple(i for i in IMPLS if i not in ALIAS_IMPLS)  # no impl filter
+JAX_IMPLS = PALLAS_IMPLS + ("jaxops-xla", "jax-jit")  # the others run from PyTorch
 TORCH_IMPLS = ("megatron", "torch-eager", "torch-compile")  # big sizes: run first (build_cases)
 DTYPES = ("float32", "bfloat16")
 V_FULL, V_SHARD = 151_936, 151_936 // 8
@@ -91,12 +98,23 @@ def parse_filters(specs):
     return filters
 
 
+def impl_selected(impl, patterns):
+    """Whether `impl` is run: without a pattern, the DEFAULT_IMPLS; an alias only when a
+    pattern names it exactly (`jaxops-*` means the two backends, not a third copy)."""
+    if patterns is None:
+        return impl in DEFAULT_IMPLS
+    if impl in ALIAS_IMPLS:
+        return impl in patterns
+    return any(fnmatch.fnmatch(impl, pattern) for pattern in patterns)
+
+
 def case_selected(case, filters):
+    if not impl_selected(case.impl, filters.get("impl")):
+        return False
     for key, vals in filters.items():
         value = getattr(case, key)
         if key == "impl":
-            if not any(fnmatch.fnmatch(value, pattern) for pattern in vals):
-                return False
+            continue
         elif value not in vals:
             return False
     return True
@@ -116,9 +134,10 @@ def build_cases(mode, filters):
         for impl in IMPLS:
             for dtype, entropy, mask in combos:
                 case = Case(impl, dtype, T, V, entropy, mask)
-                if (mode == "tiny" and impl == "jaxops-pallas" and "impl" not in filters
-                        and ((dtype, entropy, mask) != ("float32", False, False) or cases)):
-                    continue  # interpret mode is slow (CPU): once; the op's tests cover it
+                if (mode == "tiny" and impl in PALLAS_IMPLS and "impl" not in filters
+                        and ((dtype, entropy, mask) != ("float32", False, False)
+                             or any(c.impl == impl for c in cases))):
+                    continue  # interpret mode is slow (CPU): once per backend; the op's tests cover it
                 if case_selected(case, filters):
                     cases.append(case)
     front = [c for c in cases if c.impl in TORCH_IMPLS and is_big(c.T, c.V)]

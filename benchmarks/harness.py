@@ -3,8 +3,8 @@
 * `roofline_bytes`: the bytes that must move (the one copy of the formula).
 * `time_calls`: the one timing loop (warm-up, then the median of device-synchronised
   repetitions of back-to-back calls over rotating input sets).
-* Small CLI and result-writing helpers: `PallasConfig` and keyword-argument parsing,
-  `write_json`, the commit and package versions a result records.
+* Small CLI and result-writing helpers: `PallasConfig` / `MosaicConfig` and keyword-argument
+  parsing, `write_json`, the commit and package versions a result records.
 
 Standard library only at import time: JAX and PyTorch are the callers' to import (a
 script decides when JAX starts, e.g. after `XLA_PYTHON_CLIENT_PREALLOCATE` is set).
@@ -157,14 +157,16 @@ def parse_kwargs(text):
     return out
 
 
-def pallas_config(pairs):
-    """{"block_v": "1024", "prefetch": "1"} (or "block_v=1024,prefetch=1") -> PallasConfig:
-    on/off fields take 0/1 (or true/false, yes/no), the others integers; `none` leaves a
-    field to its automatic choice."""
+def pallas_config(pairs, cls=None):
+    """{"block_v": "1024", "prefetch": "1"} (or "block_v=1024,prefetch=1") -> PallasConfig
+    (or `cls`, e.g. jaxops.pallas_config.MosaicConfig: the same rules for both backends'
+    configs): on/off fields take 0/1 (or true/false, yes/no), the others integers; `none`
+    leaves a field to its automatic choice."""
     import jaxops
+    cls = cls or jaxops.PallasConfig
     if isinstance(pairs, str):
         pairs = dict(kv.split("=", 1) for kv in filter(None, pairs.split(",")))
-    flags = {f.name for f in dataclasses.fields(jaxops.PallasConfig) if "bool" in str(f.type)}
+    flags = {f.name for f in dataclasses.fields(cls) if "bool" in str(f.type)}
 
     def value(key, text):
         text = text.strip().lower()
@@ -174,7 +176,13 @@ def pallas_config(pairs):
             return BOOL[text] if text in BOOL else bool(int(text))
         return int(text)
 
-    return jaxops.PallasConfig(**{k.strip(): value(k.strip(), v) for k, v in pairs.items()})
+    return cls(**{k.strip(): value(k.strip(), v) for k, v in pairs.items()})
+
+
+def mosaic_config(pairs):
+    """As `pallas_config`, for the Mosaic GPU kernels' MosaicConfig."""
+    from jaxops.pallas_config import MosaicConfig
+    return pallas_config(pairs, MosaicConfig)
 
 
 def parse_pallas_configs(text):

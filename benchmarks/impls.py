@@ -14,12 +14,14 @@ from benchmarks.harness import short_error
 class Implementations:
     """Builds the forward function of a case; imports Megatron and the bridge on first use."""
 
-    def __init__(self, torch, jax, *, tau, on_gpu, pallas_config=None, bridge_kwargs=None):
+    def __init__(self, torch, jax, *, tau, on_gpu, pallas_config=None, mosaic_config=None,
+                 bridge_kwargs=None):
         self.torch = torch
         self.jax = jax
         self.tau = tau
         self.on_gpu = on_gpu
-        self.pallas_config = pallas_config
+        self.pallas_config = pallas_config  # PallasConfig: Triton (and the "pallas" alias)
+        self.mosaic_config = mosaic_config  # MosaicConfig: Mosaic GPU
         self.bridge_kwargs = dict(bridge_kwargs or {})
         self._megatron = None  # (fn, group) once initialised
         self._megatron_error = None
@@ -146,10 +148,13 @@ class Implementations:
         jax = self.jax
         jnp = jax.numpy
         tau = self.tau
-        if case.impl in ("jaxops-pallas", "jaxops-xla"):
+        if case.impl.startswith("jaxops-"):
             import jaxops
-            impl = case.impl.split("-")[1]
-            config = self.pallas_config if impl == "pallas" else None
+            impl = case.impl.split("-", 1)[1]  # pallas, pallas_triton, pallas_mosaic, xla
+            # Each backend its own config class (jaxops' resolve() would keep only the
+            # interpret flag of the other one's); None: the backend's defaults.
+            config = {"pallas": self.pallas_config, "pallas_triton": self.pallas_config,
+                      "pallas_mosaic": self.mosaic_config}.get(impl)
 
             def fn(x, y, m):
                 return jaxops.logprob_entropy(

@@ -22,10 +22,16 @@ import sys
 from benchmarks.harness import REPO
 
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
-OURS = "jaxops-pallas"
+# The op's Pallas kernels, in the order that picks the headline ("ours": speed-ups are
+# anchor time / its time): the "pallas" alias where measured (what callers get), else the
+# Triton backend, else Mosaic. The other backends present get their own time and
+# x roofline columns, and count as anchors in `speedups`.
+PALLAS_ORDER = ("jaxops-pallas", "jaxops-pallas_triton", "jaxops-pallas_mosaic")
+OURS = PALLAS_ORDER[0]  # where no row names a Pallas backend
 ANCHOR_ORDER = ("jaxops-xla", "bridge", "jax-jit", "torch-compile", "torch-eager", "megatron")
-IMPL_ORDER = ("jaxops-pallas",) + ANCHOR_ORDER
-LABEL = {"jaxops-pallas": "jaxops (Pallas)", "jaxops-xla": "jaxops (XLA)",
+IMPL_ORDER = PALLAS_ORDER + ANCHOR_ORDER
+LABEL = {"jaxops-pallas": "jaxops (Pallas)", "jaxops-pallas_triton": "jaxops (Pallas Triton)",
+         "jaxops-pallas_mosaic": "jaxops (Pallas Mosaic)", "jaxops-xla": "jaxops (XLA)",
          "bridge": "bridge (torch → jaxops)", "jax-jit": "jax.jit", "torch-compile": "torch.compile",
          "torch-eager": "torch eager", "megatron": "Megatron fused CE"}
 DT = {"float32": "fp32", "bfloat16": "bf16"}
@@ -70,27 +76,41 @@ def combos(results, T=None, V=None):
     return sorted(seen, key=lambda c: (order.get(c[0], 9), c[1], c[2]))
 
 
+def pallas_impls(results):
+    """The Pallas implementations the rows measure, in PALLAS_ORDER; [OURS] if none."""
+    seen = {r["impl"] for r in results.get("rows", [])}
+    return [i for i in PALLAS_ORDER if i in seen] or [OURS]
+
+
+def ours(results):
+    """The implementation the speed-ups divide by (PALLAS_ORDER's first measured)."""
+    return pallas_impls(results)[0]
+
+
 def speedups(results):
-    """Anchor time / jaxops-pallas time at the headline size, per combo, anchor and phase."""
+    """Anchor time / ours(results) time at the headline size, per combo, anchor and
+    phase; the other Pallas backends are anchors too (Mosaic time / Triton time)."""
     T, V = main_size(results)
     index = rows_by_key(results)
+    primary = ours(results)
+    anchors = [i for i in pallas_impls(results) if i != primary] + list(ANCHOR_ORDER)
     out = []
     for dtype, entropy, mask in combos(results, T, V):
-        ours = index.get((OURS, dtype, T, V, entropy, mask))
-        if ours is None:
+        ours_row = index.get((primary, dtype, T, V, entropy, mask))
+        if ours_row is None:
             continue
-        for anchor in ANCHOR_ORDER:
+        for anchor in anchors:
             row = index.get((anchor, dtype, T, V, entropy, mask))
             if row is None:
                 continue
-            entry = {"anchor": anchor, "dtype": dtype, "T": T, "V": V, "entropy": entropy,
-                     "mask": mask}
+            entry = {"anchor": anchor, "ours": primary, "dtype": dtype, "T": T, "V": V,
+                     "entropy": entropy, "mask": mask}
             for phase in ("fwd", "fb"):
-                good = ok(row, phase) and ok(ours, phase)
-                entry[phase] = row[f"{phase}_ms"] / ours[f"{phase}_ms"] if good else None
+                good = ok(row, phase) and ok(ours_row, phase)
+                entry[phase] = row[f"{phase}_ms"] / ours_row[f"{phase}_ms"] if good else None
                 entry[f"{phase}_delta_us"] = (
-                    (row[f"{phase}_ms"] - ours[f"{phase}_ms"]) * 1e3 if good else None)
-            entry["same_run"] = row.get("run", 0) == ours.get("run", 0)
+                    (row[f"{phase}_ms"] - ours_row[f"{phase}_ms"]) * 1e3 if good else None)
+            entry["same_run"] = row.get("run", 0) == ours_row.get("run", 0)
             if entry["fwd"] is None and entry["fb"] is None:
                 entry["status"] = row.get("status")
             out.append(entry)
@@ -160,12 +180,12 @@ def beyond_grad(row):
 
 
 def text_table(results):
-    head = (f"{'implementation':15s} {'dtype':8s} {'T':>6s} {'V':>7s} {'H':1s} {'M':1s} "
+    head = (f"{'implementation':20s} {'dtype':8s} {'T':>6s} {'V':>7s} {'H':1s} {'M':1s} "
             f"{'fwd ms':>9s} {'x roof':>7s} {'fb ms':>9s} {'x roof':>7s} {'peak GB':>8s}  status")
     lines = [head, "-" * len(head)]
     for r in results.get("rows", []):
         lines.append(
-            f"{r['impl']:15s} {r['dtype']:8s} {r['T']:6d} {r['V']:7d} "
+            f"{r['impl']:20s} {r['dtype']:8s} {r['T']:6d} {r['V']:7d} "
             f"{'H' if r['entropy'] else '-'} {'M' if r['mask'] else '-'} "
             f"{phase_cell(r, 'fwd'):>9s} {x_roof(r, 'fwd'):>7s} "
             f"{phase_cell(r, 'fb'):>9s} {x_roof(r, 'fb'):>7s} "
@@ -176,11 +196,12 @@ def text_table(results):
 
 def text_speedups(results):
     T, V = main_size(results)
-    lines = [f"speed-up of {OURS} over each anchor at T={T}, V={V} "
-             "(anchor time / jaxops-pallas time; fwd | fwd+bwd):"]
+    primary = ours(results)
+    lines = [f"speed-up of {primary} over each anchor at T={T}, V={V} "
+             f"(anchor time / {primary} time; fwd | fwd+bwd):"]
     for e in results.get("speedups") or speedups(results):
         lines.append(f"  {DT.get(e['dtype'], e['dtype']):4s} entropy={yn(e['entropy']):3s} "
-                     f"mask={yn(e['mask']):3s} vs {e['anchor']:14s} "
+                     f"mask={yn(e['mask']):3s} vs {e['anchor']:20s} "
                      f"{ratio(e['fwd']):>8s} | {ratio(e['fb']):>8s}"
                      + (f"  ({e['status']})" if e.get("status") else ""))
     return "\n".join(lines)
@@ -203,19 +224,24 @@ def _pair(a, b):
 def headline_md(results):
     T, V = main_size(results)
     index = rows_by_key(results)
+    kernels = pallas_impls(results)  # time and x roofline of each backend, side by side
     present = [a for a in ANCHOR_ORDER if any(k[0] == a and k[2] == T and k[3] == V
                                               for k in index)]
-    header = ["dtype", "entropy", "mask", "roofline ms", "jaxops (Pallas) ms", "× roofline"]
+    header = ["dtype", "entropy", "mask", "roofline ms"]
+    for impl in kernels:
+        header += [f"{LABEL[impl]} ms", "× roofline"]
     header += [("bridge overhead µs" if a == "bridge" else f"vs {LABEL[a]}") for a in present]
     rows = []
     for dtype, entropy, mask in combos(results, T, V):
-        ours = index.get((OURS, dtype, T, V, entropy, mask))
+        ours = index.get((kernels[0], dtype, T, V, entropy, mask))
         if ours is None:
             continue
         cells = [DT.get(dtype, dtype), yn(entropy), yn(mask),
-                 _pair(ms(ours.get("fb_roof_ms")), ms(ours.get("fwd_roof_ms"))),
-                 _pair(phase_cell(ours, "fb"), phase_cell(ours, "fwd")),
-                 _pair(x_roof(ours, "fb"), x_roof(ours, "fwd"))]
+                 _pair(ms(ours.get("fb_roof_ms")), ms(ours.get("fwd_roof_ms")))]
+        for impl in kernels:
+            row = index.get((impl, dtype, T, V, entropy, mask))
+            cells += [_pair(phase_cell(row, "fb"), phase_cell(row, "fwd")),
+                      _pair(x_roof(row, "fb"), x_roof(row, "fwd"))]
         for anchor in present:
             row = index.get((anchor, dtype, T, V, entropy, mask))
             if row is None:
@@ -271,17 +297,18 @@ def sweep_md(results):
     """fwd+bwd (fwd) ms per implementation vs T, at the headline V, combos without a mask."""
     _, V = main_size(results)
     index = rows_by_key(results)
+    primary = ours(results)
     Ts = sorted({r["T"] for r in results.get("rows", []) if r["V"] == V})
     if len(Ts) < 2:
         return None
     header = ["implementation", "dtype", "entropy"] + [f"T = {T:,}" for T in Ts]
     rows = []
     for dtype, entropy, mask in combos(results, None, V):
-        if mask or sum((OURS, dtype, T, V, entropy, mask) in index for T in Ts) < 2:
+        if mask or sum((primary, dtype, T, V, entropy, mask) in index for T in Ts) < 2:
             continue
         roof = []
         for T in Ts:
-            r = index.get((OURS, dtype, T, V, entropy, mask))
+            r = index.get((primary, dtype, T, V, entropy, mask))
             roof.append(_pair(ms(r["fb_roof_ms"]), ms(r["fwd_roof_ms"])) if r and "fb_roof_ms" in r
                         else "—")
         rows.append(["*roofline*", DT.get(dtype, dtype), yn(entropy), *roof])
@@ -302,16 +329,22 @@ def sweep_md(results):
 
 
 def memory_summary(results):
-    rows = [r for r in results.get("rows", []) if r["impl"] == OURS and beyond_grad(r) is not None]
-    if not rows:
-        return None
-    worst = max(rows, key=beyond_grad)
-    return (f"Memory: for jaxops (Pallas) the peak extra allocation of forward+backward is the "
+    """One sentence per Pallas backend measured; None if none has a measured row."""
+    lines = []
+    for impl in pallas_impls(results):
+        rows = [r for r in results.get("rows", [])
+                if r["impl"] == impl and beyond_grad(r) is not None]
+        if not rows:
+            continue
+        worst = max(rows, key=beyond_grad)
+        lines.append(
+            f"Memory: for {LABEL[impl]} the peak extra allocation of forward+backward is the "
             f"gradient plus at most {beyond_grad(worst) / 1e6:.2f} MB over all "
             f"{len(rows)} cases (worst: {DT.get(worst['dtype'])}, T = {worst['T']:,}, "
             f"V = {worst['V']:,}, entropy {yn(worst['entropy'])}, mask {yn(worst['mask'])}; "
             f"{beyond_grad(worst) / worst['T']:.0f} bytes per token), measured as "
             f"`{worst.get('mem_method')}`.")
+    return "\n\n".join(lines) or None
 
 
 def rows_run(results):
@@ -369,7 +402,7 @@ def markdown(results, json_path=None, png_path=None):
         "(+ the bool mask), forward+backward moves them three times (+ two reads of the mask). "
         "Times are medians of many device-synchronised calls on fresh random logits; "
         "forward is an inference forward, forward+backward returns the gradient for random "
-        "cotangents; speed-up = anchor time / jaxops (Pallas) time, both from this run.",
+        f"cotangents; speed-up = anchor time / {LABEL[ours(results)]} time, both from this run.",
         "",
         f"**T = {T:,}, V = {V:,}** — cells are forward+backward (forward):",
         "",

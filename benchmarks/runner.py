@@ -63,6 +63,7 @@ class Bench:
         self.jdev = jax.devices()[0]
         self.impls = Implementations(torch, jax, tau=args.temperature, on_gpu=self.on_gpu,
                                      pallas_config=args.pallas_config,
+                                     mosaic_config=args.mosaic_config,
                                      bridge_kwargs=args.bridge_kwargs)
         self.bandwidth = None  # measure_bandwidth()
         self._generators = {}  # jitted JAX input generators per (shape, dtype, kind)
@@ -410,7 +411,7 @@ def fmt(value, spec=".3f", none="-"):
 def print_row(row):
     ent = "H" if row["entropy"] else "-"
     msk = "M" if row["mask"] else "-"
-    head = f"{row['impl']:14s} {row['dtype']:8s} T={row['T']:<6d} V={row['V']:<6d} {ent}{msk}"
+    head = f"{row['impl']:20s} {row['dtype']:8s} T={row['T']:<6d} V={row['V']:<6d} {ent}{msk}"
     if row["status"] != "ok" and not row.get("fwd_ms") and not row.get("fb_ms"):
         print(f"{head}  {row['status']}", flush=True)
         return

@@ -253,19 +253,24 @@ def backward(plan: Plan, state: ForwardState | None, stats, d_log_prob, d_entrop
                   implementation=plan.implementation, config=plan.config,
                   target_mode=plan.target_mode)
     done = None
+    pieces = []  # (window, JAX-made gradient rows) where the kernel did not write into grad
     for w, v, s, d in zip(plan.windows, views, j_stats, d_windows):
         j_d = xfer.to_jax(d)
         if write_through and can_write_into(v[0], v[2], plan.config):
             fn = _jaxfns.local_backward(write_through=True, **static)
             done = fn(*v, s, j_d, xfer.to_jax(plan.rows(grad, w)))
         else:
-            piece = xfer.to_torch(_jaxfns.local_backward(write_through=False, **static)(
-                *v, s, j_d))
-            if grad is None and len(plan.windows) == 1:
-                return piece
-            if grad is None:
-                grad = torch.empty_like(plan.logits)
-            grad[w.start + w.skip:w.start + w.size] = piece[w.skip:]
+            pieces.append((w, _jaxfns.local_backward(write_through=False, **static)(
+                *v, s, j_d)))
+    if len(pieces) == 1 and grad is None and len(plan.windows) == 1:
+        return xfer.to_torch(pieces[0][1])
+    # Exported only now that every window's JAX work is queued: a piece freed after
+    # torch's copy is queued returns its memory to JAX, and a later window's kernel on
+    # JAX's stream could take it before torch's stream has read it.
+    for w, piece in pieces:
+        if grad is None:
+            grad = torch.empty_like(plan.logits)
+        grad[w.start + w.skip:w.start + w.size] = xfer.to_torch(piece)[w.skip:]
     if done is not None:
         # torch's stream waits for the last window; JAX ran the windows in order on one
         # stream, so every in-place write is done before torch reads the gradient.

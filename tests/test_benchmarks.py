@@ -53,7 +53,7 @@ def tiny_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "cpu.json"
     stdout = _run("-m", "benchmarks.bench", "--tiny", "--device-name", "cpu-test",
                   "--out", str(out))
-    assert "speed-up of jaxops-pallas" in stdout
+    assert "speed-up of jaxops-pallas_triton" in stdout  # both backends run by default
     with open(out) as f:
         return out, json.load(f)
 
@@ -102,8 +102,17 @@ def test_budget_seconds():
 def test_filters_select_cases():
     filters = cases.parse_filters(["impl=jaxops-*,megatron", "dtype=bf16", "T=8192"])
     selected = cases.build_cases("quick", filters)
-    assert selected and all(c.impl in ("jaxops-pallas", "jaxops-xla", "megatron")
-                            for c in selected)
+    # A glob means both Pallas backends; the "pallas" alias only when named exactly.
+    assert {c.impl for c in selected} == {"jaxops-pallas_triton", "jaxops-pallas_mosaic",
+                                          "jaxops-xla", "megatron"}
+    alias = cases.build_cases("quick", cases.parse_filters(["impl=jaxops-pallas"]))
+    assert alias and {c.impl for c in alias} == {"jaxops-pallas"}
+    # Default: both backends, each at every size, next to every baseline, no alias.
+    quick = cases.build_cases("quick", {})
+    assert {c.impl for c in quick} == set(cases.DEFAULT_IMPLS)
+    assert "jaxops-pallas" not in cases.DEFAULT_IMPLS
+    for impl in ("jaxops-pallas_triton", "jaxops-pallas_mosaic"):
+        assert sum(c.impl == impl for c in quick) == len(quick) // len(cases.DEFAULT_IMPLS)
     assert all(c.dtype == "bfloat16" and c.T == 8192 for c in selected)
     assert {c.V for c in selected} == {151_936, 151_936 // 8}
     selected = cases.build_cases("full", cases.parse_filters(["entropy=no;mask=yes"]))
@@ -126,9 +135,9 @@ def test_entry_scripts_run_by_path_and_as_modules(tmp_path):
         out = _run(os.path.join(BENCH_DIR, f"{name}.py"), "--help", cwd=tmp_path,
                    pythonpath=False)
         assert "usage:" in out, name
-    assert _run("-m", "benchmarks.bench", "--dry-run", "--tiny").endswith("31 cases (tiny)\n")
+    assert _run("-m", "benchmarks.bench", "--dry-run", "--tiny").endswith("32 cases (tiny)\n")
     assert _run(os.path.join(BENCH_DIR, "bench.py"), "--dry-run", "--tiny", cwd=tmp_path,
-                pythonpath=False).endswith("31 cases (tiny)\n")
+                pythonpath=False).endswith("32 cases (tiny)\n")
 
 
 def test_readme_table_is_the_committed_json():
@@ -139,6 +148,27 @@ def test_readme_table_is_the_committed_json():
     with open(os.path.join(REPO, "README.md")) as f:
         readme = f.read()
     assert report.START + "\n" + md + report.END in readme
+
+
+def test_each_backend_gets_its_own_config(monkeypatch):
+    """--pallas-config reaches the Triton kernels (and the alias), --mosaic-config Mosaic's."""
+    import jax
+    import jaxops
+    from jaxops.pallas_config import MosaicConfig
+    from benchmarks import impls
+    triton = harness.pallas_config("block_v=1024,prefetch=1")
+    mosaic = harness.mosaic_config("block_v=256,approx_math=0,chunk_v=none")
+    assert mosaic == MosaicConfig(block_v=256, approx_math=False)
+    calls = []
+    monkeypatch.setattr(jaxops, "logprob_entropy", lambda *a, **kw: calls.append(kw))
+    implementations = impls.Implementations(None, jax, tau=1.0, on_gpu=False,
+                                            pallas_config=triton, mosaic_config=mosaic)
+    expected = {"jaxops-pallas_triton": ("pallas_triton", triton),
+                "jaxops-pallas_mosaic": ("pallas_mosaic", mosaic),
+                "jaxops-pallas": ("pallas", triton), "jaxops-xla": ("xla", None)}
+    for impl, (name, config) in expected.items():
+        implementations.jax_forward_fn(cases.Case(impl, "float32", 4, 8, True, False))(1, 2, None)
+        assert (calls[-1]["implementation"], calls[-1]["pallas_config"]) == (name, config)
 
 
 def test_a_broken_bridge_is_an_error_not_a_skip(monkeypatch):
@@ -166,11 +196,12 @@ def test_tiny_run_has_every_row(tiny_results):
     rows = {(r["impl"], r["dtype"], r["T"], r["V"], r["entropy"], r["mask"]): r
             for r in results["rows"]}
     assert set(rows) == expected
-    assert {r["impl"] for r in results["rows"]} == set(cases.IMPLS)
+    assert {r["impl"] for r in results["rows"]} == set(cases.DEFAULT_IMPLS)
 
     # The bridge must run: PyTorch is installed (the fixture skips otherwise), so a bridge
     # that fails to import is broken, and its row says "error: ...", which fails here.
-    must_run = {"jaxops-pallas", "jaxops-xla", "jax-jit", "torch-eager", "bridge"}
+    must_run = {"jaxops-pallas_triton", "jaxops-pallas_mosaic", "jaxops-xla", "jax-jit",
+                "torch-eager", "bridge"}
     if _module_available("megatron.core"):
         must_run.add("megatron")
     for key, row in rows.items():
@@ -200,6 +231,9 @@ def test_tiny_run_has_every_row(tiny_results):
             assert row["fb_peak_extra_bytes"] >= row["grad_bytes"]
     ours = [s for s in results["speedups"] if s["fb"] is not None]
     assert ours and all(s["fb"] > 0 and s["fwd"] > 0 for s in ours)
+    # Mosaic / Triton, at the one combo each backend runs in --tiny
+    assert {s["ours"] for s in ours} == {"jaxops-pallas_triton"}
+    assert any(s["anchor"] == "jaxops-pallas_mosaic" for s in ours)
 
 
 @pytest.mark.slow
@@ -212,7 +246,7 @@ def test_plot_and_report(tiny_results, tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
     text = _run("-m", "benchmarks.report", str(json_path), "--text")
-    assert "jaxops-pallas" in text and "speed-up" in text
+    assert "jaxops-pallas_mosaic" in text and "speed-up" in text
 
     readme = tmp_path / "README.md"
     readme.write_text("# title\n\nbefore\n\n<!-- perf-table:start -->\nold table\n"
@@ -227,8 +261,10 @@ def test_plot_and_report(tiny_results, tmp_path):
     assert "| dtype | entropy | mask | roofline ms |" in section
     assert f"T = {results['rows'][0]['T']:,}" in section
     # Traceable: the headline numbers are the JSON's, formatted.
-    pallas = next(r for r in results["rows"] if r["impl"] == "jaxops-pallas" and r["status"] == "ok")
-    assert report.ms(pallas["fb_ms"]) in section and report.ms(pallas["fwd_ms"]) in section
+    for impl in ("jaxops-pallas_triton", "jaxops-pallas_mosaic"):  # a column each
+        pallas = next(r for r in results["rows"] if r["impl"] == impl and r["status"] == "ok")
+        assert report.ms(pallas["fb_ms"]) in section and report.ms(pallas["fwd_ms"]) in section
+        assert f"| {report.LABEL[impl]} ms | × roofline |" in section
     assert "cpu.png" in section
 
 
@@ -270,3 +306,49 @@ def test_report_describes_the_run_the_rows_come_from():
     assert report.rows_run(results) == ([1], {**results, **later})
     mixed = {**results, "rows": [{"run": 0}, {"run": 1}]}
     assert report.rows_run(mixed) == ([0, 1], mixed)
+
+
+def test_linear_head_cpu_quick_has_every_row(tmp_path):
+    """benchmarks/linear_head.py --device cpu --quick (tiny shapes, float32) runs end to end:
+    every row of the run is in the JSON with a time or a status saying why not; the rows
+    that need nothing beyond JAX, PyTorch and this project are measured and agree."""
+    if not _module_available("torch"):
+        pytest.skip("linear_head.py compares against PyTorch, which is not installed")
+    from benchmarks import linear_head
+    out = tmp_path / "linear_head.json"
+    stdout = _run("-m", "benchmarks.linear_head", "--device", "cpu", "--quick",
+                  "--reps", "2", "--max-calls", "2", "--out", str(out), timeout=120)
+    assert "| implementation | entropy | fwd ms | fwd+bwd ms |" in stdout
+    results = json.loads(out.read_text())
+    assert results["complete"] is True and results["dtype"] == "float32"
+    assert results["versions"]["jax"] and results["versions"]["torch"]
+    assert "commit" in results["git"]
+    rows = {(r["impl"], r["T"], r["H"], r["entropy"]): r for r in results["rows"]}
+    T, H = linear_head.CPU_CASE
+    expected = {(impl, T, H, linear_head.FIXED_ENTROPY.get(impl) if not per_entropy else True)
+                for impl, (_, _, per_entropy) in linear_head.IMPLS.items()}
+    assert set(rows) == expected
+    for key, row in rows.items():
+        timed = all(row.get(f"{p}_ms", 0) > 0 and math.isfinite(row[f"{p}_ms"])
+                    for p in ("fwd", "fb"))
+        assert timed or (isinstance(row["status"], str) and row["status"] != "ok"), key
+        assert timed == (row["status"] == "ok"), key
+    must_run = ("gemm-jax", "gemm-torch", "jaxops-fused", "bridge-fused", "jax-unfused",
+                "torch-bridge")
+    for impl in must_run:
+        row = next(r for r in results["rows"] if r["impl"] == impl)
+        assert row["status"] == "ok", (impl, row["status"])
+        assert row["fb_tflops"] > 0 and row["fb_x_floor"] > 0
+    # torch.compile is skipped on the CPU; Liger / verl run only where they import
+    assert rows[("torch-compile", T, H, True)]["status"].startswith("skipped: torch.compile")
+    for impl in ("liger", "verl"):
+        assert rows[(impl, T, H, linear_head.FIXED_ENTROPY[impl])]["status"].startswith(
+            "skipped"), impl
+    # the same inputs everywhere: log-prob and entropy means agree across implementations
+    means = [(r["lp_mean"], r["h_mean"]) for r in results["rows"] if "lp_mean" in r]
+    assert len(means) == 4
+    for lp, h in means:
+        assert lp == pytest.approx(means[0][0], rel=1e-4) and lp < 0
+        assert h == pytest.approx(means[0][1], rel=1e-4) and h > 0
+    # the JAX rows report their temporaries (buffer assignment works on the CPU)
+    assert rows[("jaxops-fused", T, H, True)]["fb_extra_bytes"] is not None

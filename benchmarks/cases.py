@@ -137,7 +137,8 @@ def build_cases(mode, filters):
                 if (mode == "tiny" and impl in PALLAS_IMPLS and "impl" not in filters
                         and ((dtype, entropy, mask) != ("float32", False, False)
                              or any(c.impl == impl for c in cases))):
-                    continue  # interpret mode is slow (CPU): once per backend; the op's tests cover it
+                    # Interpret mode is slow (CPU): once per backend; the op's tests cover it.
+                    continue
                 if case_selected(case, filters):
                     cases.append(case)
     front = [c for c in cases if c.impl in TORCH_IMPLS and is_big(c.T, c.V)]

@@ -1,4 +1,4 @@
-"""Quick GPU check: Pallas kernels vs the float64 reference, and first timings.
+"""Quick GPU check: both Pallas backends vs the float64 reference, and first timings.
 
     python -m benchmarks.gpu_smoke [--out DIR] [--configs "block_v,num_warps,num_stages;..."]
 """
@@ -44,13 +44,15 @@ def main():
     for (T, V, dt, masked, tau) in [(64, 1000, jnp.float32, False, 1.0), (64, 1000, jnp.bfloat16, True, 0.7),
                                     (33, 151936 // 8, jnp.float16, True, 1.3), (17, 151936, jnp.float32, True, 1.0),
                                     (17, 151936, jnp.bfloat16, False, 0.9), (5, 7, jnp.float32, True, 1.0)]:
-        try:
-            r = check(T, V, dt, masked, tau)
-            print("check", T, V, dt.__name__, masked, tau, r, flush=True)
-            results["checks"].append([T, V, dt.__name__, masked, tau, r[:3]])
-        except Exception:
-            traceback.print_exc(); print("FAILED check", T, V, dt.__name__, masked, flush=True)
-            results["checks"].append([T, V, dt.__name__, masked, tau, "FAILED"])
+        for impl in ("pallas_triton", "pallas_mosaic"):  # both Pallas backends (issue 14)
+            try:
+                r = check(T, V, dt, masked, tau, impl=impl)
+                print("check", impl, T, V, dt.__name__, masked, tau, r, flush=True)
+                results["checks"].append([impl, T, V, dt.__name__, masked, tau, r[:3]])
+            except Exception:
+                traceback.print_exc()
+                print("FAILED check", impl, T, V, dt.__name__, masked, flush=True)
+                results["checks"].append([impl, T, V, dt.__name__, masked, tau, "FAILED"])
     # copy bandwidth
     big = jnp.ones((8192, 151936), jnp.float32) * 1.5
     copy = jax.jit(lambda a: a * 1.0000001)

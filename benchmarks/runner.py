@@ -43,6 +43,7 @@ import dataclasses
 import gc
 import time
 import traceback
+import warnings
 
 from benchmarks import harness
 from benchmarks.cases import JAX_IMPLS, LOGIT_SCALE, MAIN_T, MAIN_V, MASK_THRESHOLD
@@ -255,8 +256,16 @@ class Bench:
 
         def run(phase, fn, arg_sets):
             t0 = time.perf_counter()
-            compiled = jax.jit(fn).lower(*arg_sets[0]).compile()
+            with warnings.catch_warnings(record=True) as caught:
+                # Recorded in the row: e.g. a Pallas backend that cannot take a shape
+                # warns and computes the call with XLA, which the row must not hide.
+                warnings.simplefilter("always")
+                compiled = jax.jit(fn).lower(*arg_sets[0]).compile()
             row[f"{phase}_compile_s"] = time.perf_counter() - t0
+            if caught:
+                row[f"{phase}_warnings"] = sorted({str(w.message)[:300] for w in caught})
+                for text in row[f"{phase}_warnings"]:
+                    print(f"[bench] {case.impl} {phase}: warning: {text}", flush=True)
             try:
                 ma = compiled.memory_analysis()
                 row[f"{phase}_peak_extra_bytes"] = int(

@@ -22,12 +22,10 @@ Not jitted here: the bridge jits each configuration itself (`bridge/_linear_jaxf
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
-from jaxops.contract import backward_coefs
 from jaxops.linear import _linear_local_stats, chunked_backward, default_chunk_size
 from jaxops.pallas_config import PallasConfig
-from jaxops.staged import _combine_stack, _local_targets, _pack, _unpack
+from jaxops.staged import _local_targets, _pack, shard_cotangents
 
 
 def chunk_columns(num_tokens: int, local_vocab: int, chunk_size: int | None) -> int:
@@ -59,23 +57,10 @@ def local_backward(hidden, weight, targets, keep_mask, gathered, shard_index, d_
 
     `gathered [R, K, T]`: every shard's packed statistics; `d_log_prob [T]` float32 (or
     None), `d_entropy [T]` or None: the incoming cotangents."""
-    masked = keep_mask is not None
     num_vocab = weight.shape[0]
-    total_vocab = num_vocab * gathered.shape[0]
-
-    def outputs(own):
-        stacked = gathered.at[shard_index].set(own)
-        return _combine_stack(stacked, targets, total_vocab, with_entropy, masked, entropy_grad)
-
-    _, vjp = jax.vjp(outputs, gathered[shard_index])
-    if d_log_prob is None:
-        d_log_prob = jnp.zeros(targets.shape, jnp.float32)
-    if with_entropy and d_entropy is None:
-        d_entropy = jnp.zeros_like(d_log_prob)
-    (d_packed,) = vjp((d_log_prob, d_entropy if with_entropy else None))
-    coefs = backward_coefs(_unpack(d_packed, with_entropy, masked),
-                           with_entropy and entropy_grad, masked)
-    own = _unpack(gathered[shard_index], with_entropy, masked)
+    own, coefs = shard_cotangents(gathered, targets, shard_index, d_log_prob, d_entropy,
+                                  num_vocab=num_vocab, with_entropy=with_entropy,
+                                  entropy_grad=entropy_grad, masked=keep_mask is not None)
     return chunked_backward(
         hidden, weight, _local_targets(targets, shard_index, num_vocab), keep_mask,
         own.max_logit, own.masked_max, coefs, inv_tau=inv_tau,

@@ -84,6 +84,29 @@ def combine_gathered(gathered, targets, *, num_vocab, with_entropy, masked):
     return _combine_stack(gathered, targets, num_vocab * gathered.shape[0], with_entropy, masked)
 
 
+def shard_cotangents(gathered, targets, shard_index, d_log_prob, d_entropy, *, num_vocab,
+                     with_entropy, entropy_grad, masked):
+    """(this shard's LocalStats, its BackwardCoefs) from every shard's statistics
+    `gathered [R, K, T]` and the incoming `d_log_prob [T]` (None: zero) and `d_entropy`
+    (None: zero): the VJP of the combine with respect to this shard's own row of
+    `gathered` -- no collective, every shard holds all rows."""
+    total_vocab = num_vocab * gathered.shape[0]
+
+    def outputs(own):
+        stacked = gathered.at[shard_index].set(own)
+        return _combine_stack(stacked, targets, total_vocab, with_entropy, masked, entropy_grad)
+
+    _, vjp = jax.vjp(outputs, gathered[shard_index])
+    if d_log_prob is None:
+        d_log_prob = jnp.zeros(targets.shape, jnp.float32)
+    if with_entropy and d_entropy is None:
+        d_entropy = jnp.zeros_like(d_log_prob)
+    (d_packed,) = vjp((d_log_prob, d_entropy if with_entropy else None))
+    coefs = backward_coefs(_unpack(d_packed, with_entropy, masked),
+                           with_entropy and entropy_grad, masked)
+    return _unpack(gathered[shard_index], with_entropy, masked), coefs
+
+
 @functools.partial(
     jax.jit,
     static_argnames=("inv_tau", "with_entropy", "entropy_grad", "implementation", "config"))
@@ -95,21 +118,10 @@ def local_backward(logits, targets, keep_mask, gathered, shard_index, d_log_prob
     `into`: Pallas only -- a `[T, V_loc]` buffer the kernel writes the gradient into;
     then the result is a `[T]` array that is ready once it is written (see
     `pallas_gpu.backward_logits`)."""
-    masked = keep_mask is not None
     num_vocab = logits.shape[-1]
-    total_vocab = num_vocab * gathered.shape[0]
-
-    def outputs(own):
-        stacked = gathered.at[shard_index].set(own)
-        return _combine_stack(stacked, targets, total_vocab, with_entropy, masked, entropy_grad)
-
-    _, vjp = jax.vjp(outputs, gathered[shard_index])
-    if with_entropy and d_entropy is None:
-        d_entropy = jnp.zeros_like(d_log_prob)
-    (d_packed,) = vjp((d_log_prob, d_entropy if with_entropy else None))
-    coefs = backward_coefs(_unpack(d_packed, with_entropy, masked),
-                           with_entropy and entropy_grad, masked)
-    own = _unpack(gathered[shard_index], with_entropy, masked)
+    own, coefs = shard_cotangents(gathered, targets, shard_index, d_log_prob, d_entropy,
+                                  num_vocab=num_vocab, with_entropy=with_entropy,
+                                  entropy_grad=entropy_grad, masked=keep_mask is not None)
     extra = {} if into is None else {"into": into}
     return implementations.kernels(implementation).backward_logits(
         logits, _local_targets(targets, shard_index, num_vocab), keep_mask,

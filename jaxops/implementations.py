@@ -36,6 +36,23 @@ def is_pallas(implementation: str | None) -> bool:
     return implementation in _PALLAS
 
 
+def _check_mosaic_gpu() -> None:
+    """Mosaic GPU compiles for Hopper (compute capability 9.0) and newer only; say so
+    before its compiler fails on an older GPU."""
+    import jax
+
+    for device in jax.devices():
+        capability = getattr(device, "compute_capability", None)
+        if capability is None:
+            continue
+        if tuple(int(p) for p in str(capability).split(".")[:2]) < (9, 0):
+            raise ValueError(
+                f"implementation 'pallas_mosaic' needs an NVIDIA GPU of compute capability "
+                f">= 9.0 (Hopper or newer); {device.device_kind} has {capability}. Use "
+                f"'pallas_triton' (or 'pallas', its alias) there.")
+        return
+
+
 def _platform(platform: str | None) -> str:
     if platform is None:
         import jax
@@ -72,6 +89,8 @@ def resolve(implementation: str | None, platform: str | None = None,
     if name == "pallas_mosaic":
         config = (pallas_config if isinstance(pallas_config, MosaicConfig)
                   else MosaicConfig(interpret=getattr(pallas_config, "interpret", False)))
+        if platform in _GPU_PLATFORMS and not config.interpret:
+            _check_mosaic_gpu()
     else:
         config = (pallas_config if isinstance(pallas_config, PallasConfig)
                   else PallasConfig(interpret=getattr(pallas_config, "interpret", False)))

@@ -358,3 +358,20 @@ def test_gpu_batch_invariance(num_vocab, dtype, masked):
                 if a is not None:
                     np.testing.assert_array_equal(a[pos], b[row], err_msg=f"{name} row {row}")
             np.testing.assert_array_equal(grad[pos], batch_grad[row], err_msg=f"grad {row}")
+
+
+def test_mosaic_refuses_gpus_before_hopper(monkeypatch):
+    """On an Ampere GPU the Mosaic compiler would fail deep in lowering: the resolver
+    says which implementation to use instead."""
+    class Ampere:
+        device_kind, compute_capability = "NVIDIA A100-SXM4-80GB", "8.0"
+
+    class Hopper:
+        device_kind, compute_capability = "NVIDIA H200", "9.0"
+
+    monkeypatch.setattr(jax, "devices", lambda *a: [Ampere()])
+    with pytest.raises(ValueError, match="compute capability >= 9.0.*pallas_triton"):
+        implementations.resolve("pallas_mosaic", "gpu")
+    assert implementations.resolve("pallas_triton", "gpu")[0] == "pallas_triton"
+    monkeypatch.setattr(jax, "devices", lambda *a: [Hopper()])
+    assert implementations.resolve("pallas_mosaic", "gpu")[0] == "pallas_mosaic"

@@ -16,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -110,10 +111,16 @@ def test_out_of_range_target_under_jit_is_nan():
     assert np.isnan(log_prob[3]) and np.isfinite(np.delete(log_prob, 3)).all(), log_prob
 
 
-@pytest.mark.parametrize("dtype,mask,chunk", [(F32, True, 4), (BF16, False, 3)])
-def test_pallas_interpret_against_float64(dtype, mask, chunk):
-    run_case((6,), 16, 40, dtype, mask=mask, temperature=0.7, chunk_size=chunk,
-             implementation="pallas", seed=3)
+@pytest.mark.parametrize("implementation,num_vocab,dtype,mask,chunk", [
+    ("pallas", 40, F32, True, 4), ("pallas", 40, BF16, False, 3),
+    # Mosaic chunks must be multiples of 16 columns (8 for fp32 without a mask): 80 =
+    # 2 chunks of 32 + a tail of 16, all taken by the kernels (no XLA fallback).
+    ("pallas_mosaic", 80, F32, True, 32), ("pallas_mosaic", 80, BF16, False, 32)])
+def test_pallas_interpret_against_float64(implementation, num_vocab, dtype, mask, chunk):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a fallback to XLA would not test the kernels
+        run_case((6,), 16, num_vocab, dtype, mask=mask, temperature=0.7, chunk_size=chunk,
+                 implementation=implementation, seed=3)
 
 
 def test_eager_call():

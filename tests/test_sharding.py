@@ -163,12 +163,13 @@ def test_pallas_interpret_under_check_vma_is_a_clear_error():
         fn(jnp.zeros((2, 16), jnp.float32), jnp.zeros((2,), jnp.int32))
 
 
-@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+@pytest.mark.parametrize("implementation", ["xla", "pallas", "pallas_mosaic"])
 def test_wrapper_on_one_device_matches_unsharded(implementation):
+    # V = 48: a width the Mosaic kernels take with a mask (a multiple of 16).
     rng = np.random.default_rng(3)
-    logits = jnp.asarray(rng.normal(0, 2, (6, 40)), jnp.float32)
-    targets = jnp.asarray(rng.integers(0, 40, 6), jnp.int32)
-    mask = jnp.asarray(rng.random((6, 40)) < 0.4)
+    logits = jnp.asarray(rng.normal(0, 2, (6, 48)), jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 48, 6), jnp.int32)
+    mask = jnp.asarray(rng.random((6, 48)) < 0.4)
     options = dict(keep_mask=mask, temperature=0.8, implementation=implementation)
 
     def loss(fn, x):

@@ -258,3 +258,40 @@ def test_vocab_parallel_in_subprocess():
     results = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert results, done.stdout[-2000:]
     print(json.dumps(json.loads(results[-1][len("RESULT "):]), indent=1))
+
+
+def test_chunk_merge_equals_one_pass_and_ignores_empty_sides():
+    """`linear._merge` (the online log-sum-exp step over vocabulary chunks) against the
+    statistics of the concatenated columns, including sides with no finite logit (max
+    -inf) and no kept column (masked max -inf): their -inf must not produce NaN."""
+    from jaxops import xla
+    from jaxops.linear import _empty_stats, _merge
+
+    rng = np.random.default_rng(7)
+    x = rng.normal(0, 3, (5, 24)).astype(np.float32)
+    x[1, :12] = -np.inf  # row 1: the first chunk has no finite logit
+    x[2, :] = -np.inf  # row 2: none at all
+    keep = rng.random((5, 24)) < 0.3
+    keep[3, :12] = False  # row 3: nothing kept in the first chunk
+    targets = np.array([0, 20, 3, 13, 23], np.int32)
+
+    def stats(cols, shift):
+        return xla.forward_stats(jnp.asarray(x[:, cols]), jnp.asarray(targets - shift),
+                                 jnp.asarray(keep[:, cols]), inv_tau=1.0, with_entropy=True,
+                                 config=None)
+
+    whole = stats(slice(0, 24), 0)
+    merged = _merge(_merge(_empty_stats(5, True, True, ()), stats(slice(0, 12), 0)),
+                    stats(slice(12, 24), 12))
+    lse = lambda s: np.asarray(s.max_logit) + np.log(np.asarray(s.sum_exp))  # noqa: E731
+    masked = lambda s: np.asarray(s.masked_max) + np.log(np.asarray(s.masked_sum_exp))  # noqa: E731
+    entropy = lambda s: np.asarray(s.sum_exp_shifted) / np.asarray(s.sum_exp)  # noqa: E731
+    finite = np.isfinite(np.asarray(whole.max_logit))
+    assert finite.tolist() == [True, True, False, True, True]
+    np.testing.assert_allclose(lse(merged)[finite], lse(whole)[finite], rtol=1e-6)
+    np.testing.assert_allclose(masked(merged)[finite], masked(whole)[finite], rtol=1e-6)
+    np.testing.assert_allclose(entropy(merged)[finite], entropy(whole)[finite], atol=1e-5)
+    np.testing.assert_array_equal(merged.target_logit, whole.target_logit)
+    assert np.asarray(merged.max_logit)[2] == -np.inf and np.asarray(merged.sum_exp)[2] == 0
+    for field in merged:
+        assert not np.isnan(np.asarray(field)).any(), merged

@@ -191,17 +191,35 @@ def _neg_reference(max_x):
 
 # --- forward -----------------------------------------------------------------------------
 
-def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, itemsize):
+def num_partials(with_entropy: bool, masked: bool, with_target: bool = False) -> int:
+    """Per-chunk partial statistics the forward kernel writes: (max, sum[, shifted]
+    [, kept max, kept sum]) and, `with_target`, (target logit[, target kept])."""
+    return 2 + with_entropy + 2 * masked + with_target * (1 + masked)
+
+
+def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, itemsize,
+                    with_target=False):
+    """`with_target`: also read the rows' (shard-local) targets and sum, per chunk, the
+    target's raw logit and its mask bit (0 in chunks that do not hold the target), so
+    that no gather outside the kernel is needed (`mosaic_direct.py`)."""
     refs = list(refs)
     logits_ref = refs.pop(0)
     mask_ref = refs.pop(0) if masked else None
-    num_out = 2 + with_entropy + 2 * masked
+    target_ref = refs.pop(0) if with_target else None
+    num_out = num_partials(with_entropy, masked, with_target)
     out_refs, smem_refs = refs[:num_out], refs[num_out:2 * num_out]
     block_v = config.block_v
     tiles, _, per_chunk = _chunking(num_vocab, block_v, config.chunk_v)
     row_block = lax.axis_index("rows")
     chunk = lax.axis_index("chunks")
     first_tile, first_owned = _chunk_start(chunk, tiles, per_chunk)
+    target = None
+    if with_target:
+        target_smem, barrier = refs[2 * num_out:]
+        plgpu.copy_gmem_to_smem(target_ref.at[pl.ds(row_block * _ROWS, _ROWS)], target_smem,
+                                barrier.at[0])
+        plgpu.barrier_wait(barrier.at[0])
+        target = _read(target_smem, _rows_layout(), config)
     scale = inv_tau * _LOG2E
     shape = (_ROWS, block_v)
     wgmma = plgpu.Layout.WGMMA
@@ -218,7 +236,7 @@ def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, ite
             logits_smem, mask_smem, carry = tile_refs_and_carry
         else:
             logits_smem, carry = tile_refs_and_carry
-        row_max, sum_exp, shifted, kept_max, kept_sum = carry
+        row_max, sum_exp, shifted, kept_max, kept_sum, target_sum, target_kept = carry
         cols = (first_tile + j) * block_v + _layout(
             lax.broadcasted_iota(jnp.int32, shape, 1), wgmma, config)
         in_vocab = (cols >= first_owned * block_v) & (cols < num_vocab)
@@ -245,12 +263,23 @@ def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, ite
             kept_sum = (kept_sum * jnp.exp2((kept_max - new_kept_max) * scale)
                         + kept_exp.sum(axis=1))
             kept_max = new_kept_max
-        return row_max, sum_exp, shifted, kept_max, kept_sum
+        if with_target:
+            # One column at most matches (owned columns only): the sums are exact, and
+            # the logit is the raw one (a -inf target gives a -inf log-prob).
+            hit = in_vocab & (cols == _per_col(target, shape))
+            target_sum = target_sum + jnp.where(
+                hit, stored.astype(jnp.float32), 0.0).sum(axis=1)
+            if masked:
+                target_kept = target_kept + jnp.where(hit & keep, ones, 0.0).sum(axis=1)
+        return row_max, sum_exp, shifted, kept_max, kept_sum, target_sum, target_kept
 
     neg = _row_vector(NEG, jnp.float32, config)
     zero = _row_vector(0.0, jnp.float32, config)
+    # A float32 tile of ones (where(c, 1.0, 0.0) of two Python floats is float64 under x64).
+    ones = _layout(jnp.full(shape, 1.0, jnp.float32), wgmma, config) if with_target else None
     carry = (neg, zero, zero if with_entropy else None,
-             neg if masked else None, zero if masked else None)
+             neg if masked else None, zero if masked else None,
+             zero if with_target else None, zero if with_target and masked else None)
     transforms = _transforms(num_vocab, itemsize, block_v)
     specs = [plgpu.BlockSpec(shape, lambda j: (row_block, first_tile + j),
                              transforms=transforms)]
@@ -307,7 +336,7 @@ def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
     _, chunks, _ = _chunking(num_vocab, config.block_v, config.chunk_v)
     row_blocks = pl.cdiv(num_tokens, _ROWS)
     padded = row_blocks * _ROWS
-    num_out = 2 + with_entropy + 2 * masked
+    num_out = num_partials(with_entropy, masked)
     part = varying_struct((chunks, padded), jnp.float32, logits, keep_mask)
     kernel = plgpu.kernel(
         functools.partial(_forward_kernel, num_vocab=num_vocab, inv_tau=inv_tau,
@@ -360,14 +389,14 @@ def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
 # --- backward ----------------------------------------------------------------------------
 
 def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsize,
-                     num_vectors):
+                     num_vectors, prologue=None):
+    """`prologue`: None reads the targets and the coefficient vectors computed by
+    `backward_logits`; else `prologue(refs, rows)` -> (target, vectors, dlogits_ref,
+    grad_smem) computes them in the kernel from whatever `refs` it was given
+    (`mosaic_direct.py`)."""
     refs = list(refs)
     logits_ref = refs.pop(0)
     mask_ref = refs.pop(0) if masked else None
-    target_ref = refs.pop(0)
-    vectors_ref = refs.pop(0)  # [num_vectors, padded] float32, see backward_logits
-    dlogits_ref = refs.pop(0)
-    target_smem, vectors_smem, grad_smem, barrier = refs
     block_v = config.block_v
     stages = config.num_stages
     row_block = lax.axis_index("rows")
@@ -375,11 +404,19 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsiz
     tiles, _, per_chunk = _chunking(num_vocab, block_v, config.chunk_v)
     first_tile, _ = _chunk_start(chunk, tiles, per_chunk)
     rows = pl.ds(row_block * _ROWS, _ROWS)
-    plgpu.copy_gmem_to_smem(target_ref.at[rows], target_smem, barrier.at[0])
-    plgpu.copy_gmem_to_smem(vectors_ref.at[:, rows], vectors_smem, barrier.at[0])
-    plgpu.barrier_wait(barrier.at[0])
-    target = _read(target_smem, _rows_layout(), config)
-    vectors = [_read(vectors_smem.at[i], _rows_layout(), config) for i in range(num_vectors)]
+    if prologue is None:
+        target_ref = refs.pop(0)
+        vectors_ref = refs.pop(0)  # [num_vectors, padded] float32, see backward_logits
+        dlogits_ref = refs.pop(0)
+        target_smem, vectors_smem, grad_smem, barrier = refs
+        plgpu.copy_gmem_to_smem(target_ref.at[rows], target_smem, barrier.at[0])
+        plgpu.copy_gmem_to_smem(vectors_ref.at[:, rows], vectors_smem, barrier.at[0])
+        plgpu.barrier_wait(barrier.at[0])
+        target = _read(target_smem, _rows_layout(), config)
+        vectors = [_read(vectors_smem.at[i], _rows_layout(), config)
+                   for i in range(num_vectors)]
+    else:
+        target, vectors, dlogits_ref, grad_smem = prologue(refs, rows)
     neg_ref, coef_sum = vectors.pop(0), vectors.pop(0)
     coef_shifted = vectors.pop(0) if entropy else None
     coef_target = vectors.pop(0)

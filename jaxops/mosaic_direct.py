@@ -1,0 +1,386 @@
+"""Mosaic GPU kernels that carry a row's whole computation, for launching without XLA.
+
+The bridge's *direct route* (`bridge/_direct.py`) launches these kernels on torch's
+stream through `plgpu.as_torch_kernel`, with torch-allocated buffers and no JAX
+runtime in between (issue 12 item 4: the JAX runtime's dispatch, imports and exports
+cost more host time per call than the whole torch-only floor). A launcher accepts
+only a function made of one Mosaic GPU kernel, so everything the JAX route does
+around `pallas_mosaic`'s kernels in XLA happens inside kernels here:
+
+    forward   partials  = `pallas_mosaic._forward_kernel(with_target=True)`:
+                          per vocabulary chunk: max, sum[, shifted][, kept max, kept
+                          sum], the target's raw logit[, its mask bit]      [C, padded]
+              finish    = one CTA per 64 rows: fold the chunks in index order (as
+                          `pallas_mosaic._combine`), then the combine of one shard
+                          (`combine.combine` at R = 1): log_prob, entropy, and the
+                          backward's per-row multipliers ("saved")           [padded]
+    backward  gradient  = `pallas_mosaic._backward_kernel` whose prologue forms the
+                          coefficients from the saved multipliers and the incoming
+                          d log_prob / d entropy, and stores d logits through a
+                          buffer passed in as an *input* (torch's gradient: the
+                          launcher would otherwise allocate a fresh output)
+
+One vocabulary shard only (R = 1): the multi-rank bridge keeps the JAX route. The
+saved multipliers are the VJP of `combine.combine` at R = 1 written out (d log_prob
+and d entropy enter linearly), so the backward needs no other statistics:
+
+    coef_sum     = g_lp * alpha + g_H * beta     alpha = -w [valid] / S     (no mask)
+    coef_shifted = g_H * gamma                   beta  = w (1/S + A/S^2) + gamma
+    coef_target  = g_lp * [valid]                gamma = -w / S
+    coef_masked  = g_lp * delta                  delta = -w_m [valid] / S_m  (mask)
+
+with S, A the row's sum of exp(x - m) and of exp(x - m)(x - m), S_m the masked sum,
+w = [the row has a finite logit], w_m = [it keeps one], as in `combine.py`.
+
+O(T) operands are separate 1-D arrays (a [K, b] array's rows would need b * 4 to be a
+multiple of 16 bytes for TMA); outputs are `padded` = 64 * ceil(b / 64) long.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxops import pallas_mosaic as pm
+from jaxops.contract import NEG
+from jaxops.pallas_config import MosaicConfig, mosaic_defaults
+
+_ROWS = pm._ROWS
+
+
+def supported(num_vocab: int, itemsize: int, masked: bool) -> bool:
+    """Shapes the kernels take (`pallas_mosaic._supported`)."""
+    return pm._supported(num_vocab, itemsize, masked)
+
+
+def saved_names(with_entropy: bool, masked: bool) -> tuple[str, ...]:
+    """The per-row multipliers `finish` saves for the backward, in order (the entropy's
+    whether or not the backward will use them: entropy_grad is the backward's choice)."""
+    names = ["neg_ref", "valid"]
+    names += ["masked_neg_ref", "delta"] if masked else ["alpha"]
+    names += ["beta", "gamma"] if with_entropy else []
+    return tuple(names)
+
+
+def layout(num_tokens: int, num_vocab: int, dtype, *, masked: bool, with_entropy: bool,
+           gathered_target: bool = False, config: MosaicConfig | None = None) -> dict:
+    """The buffers' sizes, for a caller that allocates them: vocabulary chunks,
+    padded rows, partials (each [chunks, padded]) and finish outputs (each [padded])."""
+    itemsize = jnp.dtype(dtype).itemsize
+    config, _ = _configs(itemsize, masked, config)
+    _, chunks, _ = pm._chunking(num_vocab, config.block_v, config.chunk_v)
+    return dict(chunks=chunks, padded=pl.cdiv(num_tokens, _ROWS) * _ROWS,
+                num_partials=pm.num_partials(with_entropy, masked,
+                                             with_target=not gathered_target),
+                num_finish=1 + with_entropy + len(saved_names(with_entropy, masked)))
+
+
+def _configs(itemsize, masked, config):
+    config = config or MosaicConfig()
+    return (mosaic_defaults(config, itemsize=itemsize, masked=masked, backward=False),
+            mosaic_defaults(config, itemsize=itemsize, masked=masked, backward=True))
+
+
+def _interpret(config):
+    return pm._interpret_params() if config.interpret else False
+
+
+# --- forward: partial statistics per chunk ----------------------------------------------
+
+def partials_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_tau,
+                    gathered_target: bool = False, config: MosaicConfig | None = None):
+    """fn(logits [b, V], (mask uint8 [b, V]), targets int32 [b]) -> partials, each
+    float32 [C, padded] (`pallas_mosaic.num_partials` of them).
+
+    gathered_target: the caller gathers the target's logit (and mask bit) itself and
+    hands them to `finish`; then this kernel takes no targets and does no per-element
+    target test (which costs ~20% of an instruction-bound kernel at large T * V)."""
+    with_target = not gathered_target
+    itemsize = jnp.dtype(dtype).itemsize
+    config, _ = _configs(itemsize, masked, config)
+    _, chunks, _ = pm._chunking(num_vocab, config.block_v, config.chunk_v)
+    padded = pl.cdiv(num_tokens, _ROWS) * _ROWS
+    num_out = pm.num_partials(with_entropy, masked, with_target=with_target)
+    return plgpu.kernel(
+        functools.partial(pm._forward_kernel, num_vocab=num_vocab, inv_tau=float(inv_tau),
+                          with_entropy=with_entropy, masked=masked, config=config,
+                          itemsize=itemsize, with_target=with_target),
+        out_type=[jax.ShapeDtypeStruct((chunks, padded), jnp.float32)] * num_out,
+        scratch_types=([plgpu.SMEM((_ROWS,), jnp.float32)] * num_out
+                       + ([plgpu.SMEM((_ROWS,), jnp.int32),
+                           plgpu.Barrier(num_arrivals=1, num_barriers=1)] if with_target
+                          else [])),
+        grid=(padded // _ROWS, chunks),
+        grid_names=("rows", "chunks"),
+        compiler_params=pm._compiler_params(config),
+        interpret=_interpret(config),
+    )
+
+
+# --- forward: fold the chunks, combine, outputs and saved multipliers --------------------
+
+def _finish_rows(parts, target, *, chunks, num_vocab, inv_tau, with_entropy, masked, one):
+    """Per-row math of `finish` on [64]-row vectors. `parts[k][c]`: partial k of chunk c;
+    `one`: a float32 vector of ones (where(c, 1.0, 0.0) would be float64 under x64).
+    Returns (log_prob, entropy or None, {saved name: vector})."""
+    parts = list(parts)
+    maxes, sums = parts.pop(0), parts.pop(0)
+    shifts = parts.pop(0) if with_entropy else [None] * chunks
+    if masked:
+        kept_maxes, kept_sums = parts.pop(0), parts.pop(0)
+    target_parts = parts.pop(0)
+    row_max, sum_exp, shifted = pm._combine(list(zip(maxes, sums, shifts)), inv_tau)
+    target_raw = functools.reduce(lambda a, b: a + b, target_parts)
+
+    empty = row_max <= NEG  # no finite logit in this row
+    max_x = jnp.where(empty, -jnp.inf, row_max * inv_tau)
+    sum_exp = jnp.where(empty, 0.0, sum_exp)
+    valid = (target >= 0) & (target < num_vocab)
+    target_x = jnp.where(valid, target_raw * inv_tau, 0.0)
+    # combine.combine at R = 1: the shard's weight is 1 where it has a finite logit.
+    weight = jnp.where(empty, 0.0, one)
+    total_sum = weight * sum_exp
+    log_sum_exp = jnp.log(total_sum)
+    valid_f = jnp.where(valid, one, 0.0)
+    saved = {"neg_ref": pm._neg_reference(jnp.where(empty, 0.0, max_x)), "valid": valid_f}
+
+    if masked:
+        target_kept = functools.reduce(lambda a, b: a + b, parts.pop(0))
+        kept_max, kept_sum, _ = pm._combine(
+            [(m, s, None) for m, s in zip(kept_maxes, kept_sums)], inv_tau)
+        # The target always counts as kept: fold it in where its mask bit is off.
+        target_alone = valid & (target_kept == 0.0)
+        target_ref = jnp.where(target_alone, jnp.maximum(target_raw, pm._EXCLUDED),
+                               pm._EXCLUDED)
+        total_max, kept_total, _ = pm._combine(
+            [(kept_max, kept_sum, None),
+             (target_ref, jnp.where(target_alone, one, 0.0), None)], inv_tau)
+        none_kept = total_max <= NEG
+        masked_max = jnp.where(none_kept, -jnp.inf, total_max * inv_tau)
+        masked_weight = jnp.where(none_kept, 0.0, one)
+        masked_sum = masked_weight * jnp.where(none_kept, 0.0, kept_total)
+        normaliser = masked_max + jnp.log(masked_sum)
+        saved["masked_neg_ref"] = pm._neg_reference(jnp.where(none_kept, 0.0, masked_max))
+        saved["delta"] = masked_weight * (-valid_f / masked_sum)
+    else:
+        normaliser = max_x + log_sum_exp
+        saved["alpha"] = weight * (-valid_f / total_sum)
+    log_prob = jnp.where(valid, target_x - normaliser, jnp.nan)
+
+    entropy = None
+    if with_entropy:
+        total_shifted = weight * jnp.where(empty, 0.0, shifted * pm._LN2)
+        entropy = log_sum_exp - total_shifted / total_sum
+        inv_sum = 1.0 / total_sum
+        gamma = -weight * inv_sum
+        saved["gamma"] = gamma
+        saved["beta"] = weight * (inv_sum + total_shifted * inv_sum * inv_sum) + gamma
+    return log_prob, entropy, saved
+
+
+def _finish_kernel(*refs, chunks, num_vocab, inv_tau, with_entropy, masked, config,
+                   gathered_target):
+    num_parts = pm.num_partials(with_entropy, masked, with_target=not gathered_target)
+    num_gathered = gathered_target * (1 + masked)  # target logit[, its mask bit], [b]
+    names = saved_names(with_entropy, masked)
+    num_out = 1 + with_entropy + len(names)
+    refs = list(refs)
+    part_refs = [refs.pop(0) for _ in range(num_parts)]
+    target_ref = refs.pop(0)
+    gathered_refs = [refs.pop(0) for _ in range(num_gathered)]
+    out_refs = [refs.pop(0) for _ in range(num_out)]
+    part_smems = [refs.pop(0) for _ in range(num_parts)]
+    target_smem = refs.pop(0)
+    gathered_smems = [refs.pop(0) for _ in range(num_gathered)]
+    out_smems = [refs.pop(0) for _ in range(num_out)]
+    (barrier,) = refs
+    rows = pl.ds(lax.axis_index("rows") * _ROWS, _ROWS)
+    for ref, smem in zip(part_refs, part_smems):
+        plgpu.copy_gmem_to_smem(ref.at[:, rows], smem, barrier.at[0])
+    for ref, smem in zip([target_ref] + gathered_refs, [target_smem] + gathered_smems):
+        plgpu.copy_gmem_to_smem(ref.at[rows], smem, barrier.at[0])
+    plgpu.barrier_wait(barrier.at[0])
+    layout = pm._rows_layout()
+    parts = [[pm._read(smem.at[c], layout, config) for c in range(chunks)]
+             for smem in part_smems]
+    # The gathered values stand where the partials would hold them: one "chunk" each.
+    parts += [[pm._read(smem, layout, config)] for smem in gathered_smems]
+    target = pm._read(target_smem, layout, config)
+    log_prob, entropy, saved = _finish_rows(
+        parts, target, chunks=chunks, num_vocab=num_vocab, inv_tau=inv_tau,
+        with_entropy=with_entropy, masked=masked,
+        one=pm._row_vector(1.0, jnp.float32, config))
+    values = [log_prob] + ([entropy] if with_entropy else []) + [saved[n] for n in names]
+    for smem, value in zip(out_smems, values):
+        smem[...] = value
+    plgpu.commit_smem()
+    for smem, out in zip(out_smems, out_refs):
+        plgpu.copy_smem_to_gmem(smem, out.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def finish_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_tau,
+                  gathered_target: bool = False, config: MosaicConfig | None = None):
+    """fn(*partials, targets int32 [b][, target logit f32 [b][, its mask bit f32 [b]]])
+    -> (log_prob, [entropy], *saved), float32 [padded]. The bracketed inputs with
+    `gathered_target` (the target's raw logit, and 1.0 where its mask bit is set)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    config, _ = _configs(itemsize, masked, config)
+    _, chunks, _ = pm._chunking(num_vocab, config.block_v, config.chunk_v)
+    padded = pl.cdiv(num_tokens, _ROWS) * _ROWS
+    num_parts = pm.num_partials(with_entropy, masked, with_target=not gathered_target)
+    num_gathered = gathered_target * (1 + masked)
+    num_out = 1 + with_entropy + len(saved_names(with_entropy, masked))
+    vector = jax.ShapeDtypeStruct((padded,), jnp.float32)
+    return plgpu.kernel(
+        functools.partial(_finish_kernel, chunks=chunks, num_vocab=num_vocab,
+                          inv_tau=float(inv_tau), with_entropy=with_entropy, masked=masked,
+                          config=config, gathered_target=gathered_target),
+        out_type=[vector] * num_out,
+        scratch_types=([plgpu.SMEM((chunks, _ROWS), jnp.float32)] * num_parts
+                       + [plgpu.SMEM((_ROWS,), jnp.int32)]
+                       + [plgpu.SMEM((_ROWS,), jnp.float32)] * (num_gathered + num_out)
+                       + [plgpu.Barrier(num_arrivals=num_parts + 1 + num_gathered,
+                                        num_barriers=1)]),
+        grid=(padded // _ROWS,),
+        grid_names=("rows",),
+        compiler_params=pm._compiler_params(config),
+        interpret=_interpret(config),
+    )
+
+
+# --- backward ----------------------------------------------------------------------------
+
+def _coefficient_prologue(refs, rows, *, names, has_d_log_prob, has_d_entropy, entropy,
+                          masked, inv_tau, config, into):
+    """The backward's per-row vectors from the saved multipliers and d log_prob / d
+    entropy, in `pallas_mosaic._backward_kernel`'s order and units."""
+    num_in = 1 + len(names) + has_d_log_prob + has_d_entropy
+    in_refs, dlogits_ref = refs[:num_in], refs[num_in]
+    first = num_in + 1 + into  # into: the unused placeholder output follows
+    smems = refs[first:first + num_in]
+    grad_smem, barrier = refs[first + num_in:]
+    for ref, smem in zip(in_refs, smems):
+        plgpu.copy_gmem_to_smem(ref.at[rows], smem, barrier.at[0])
+    plgpu.barrier_wait(barrier.at[0])
+    layout = pm._rows_layout()
+    values = [pm._read(smem, layout, config) for smem in smems]
+    target = values.pop(0)
+    saved = {n: values.pop(0) for n in names}
+    d_log_prob = values.pop(0) if has_d_log_prob else None
+    d_entropy = values.pop(0) if has_d_entropy else None
+
+    coef_sum = 0.0
+    if d_log_prob is not None and not masked:
+        coef_sum = d_log_prob * saved["alpha"]
+    if entropy:
+        coef_sum = coef_sum + d_entropy * saved["beta"]
+    if isinstance(coef_sum, float):
+        coef_sum = pm._row_vector(0.0, jnp.float32, config)
+    zero = pm._row_vector(0.0, jnp.float32, config)
+    vectors = [saved["neg_ref"], coef_sum * inv_tau]
+    if entropy:
+        vectors.append(d_entropy * saved["gamma"] * (inv_tau * pm._LN2))
+    vectors.append(zero if d_log_prob is None else d_log_prob * saved["valid"] * inv_tau)
+    if masked:
+        vectors += [saved["masked_neg_ref"],
+                    zero if d_log_prob is None else d_log_prob * saved["delta"] * inv_tau]
+    return target, vectors, dlogits_ref, grad_smem
+
+
+def backward_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, entropy_grad,
+                    has_d_log_prob, has_d_entropy, inv_tau,
+                    config: MosaicConfig | None = None, into: bool = True):
+    """d loss / d logits of the rows.
+
+    into=True (the launcher's form): fn(logits, (mask), targets, *saved, (d_log_prob),
+    (d_entropy), grad [b, V]) stores the gradient through `grad`, an *input* (the
+    launcher passes pointers; nothing else reads it), and returns a placeholder
+    int32 [1] that the kernel never writes (a kernel without outputs is dropped by
+    `jit` before the launcher can find it).
+    into=False (for JAX, tests): the same operands without `grad`; returns it."""
+    itemsize = jnp.dtype(dtype).itemsize
+    _, config = _configs(itemsize, masked, config)
+    has_d_entropy = has_d_entropy and with_entropy and entropy_grad
+    entropy = has_d_entropy
+    names = saved_names(with_entropy, masked)
+    _, chunks, per_chunk = pm._chunking(num_vocab, config.block_v, config.chunk_v)
+    padded = pl.cdiv(num_tokens, _ROWS) * _ROWS
+    num_vectors = 3 + entropy + 2 * masked
+    num_in = 1 + len(names) + has_d_log_prob + has_d_entropy
+    prologue = functools.partial(
+        _coefficient_prologue, names=names, has_d_log_prob=has_d_log_prob,
+        has_d_entropy=has_d_entropy, entropy=entropy, masked=masked, inv_tau=float(inv_tau),
+        config=config, into=into)
+    # The interpreter cannot clip out-of-bounds TMA stores as the GPU does.
+    grad_shape = ((padded, chunks * per_chunk * config.block_v) if config.interpret
+                  else (num_tokens, num_vocab))
+    scratch = ([plgpu.SMEM((_ROWS,), jnp.int32)]
+               + [plgpu.SMEM((_ROWS,), jnp.float32)] * (num_in - 1)
+               + [plgpu.SMEM((config.num_stages, _ROWS, config.block_v), dtype,
+                             transforms=pm._transforms(num_vocab, itemsize, config.block_v)),
+                  plgpu.Barrier(num_arrivals=num_in, num_barriers=1)])
+    return plgpu.kernel(
+        functools.partial(pm._backward_kernel, num_vocab=num_vocab, inv_tau=float(inv_tau),
+                          entropy=entropy, masked=masked, config=config, itemsize=itemsize,
+                          num_vectors=num_vectors, prologue=prologue),
+        out_type=jax.ShapeDtypeStruct((1,), jnp.int32) if into
+        else jax.ShapeDtypeStruct(grad_shape, dtype),
+        scratch_types=scratch,
+        grid=(padded // _ROWS, chunks),
+        grid_names=("rows", "chunks"),
+        compiler_params=pm._compiler_params(config),
+        interpret=_interpret(config),
+    )
+
+
+# --- the whole op in JAX (interpret-mode tests, and the shapes the launcher sees) --------
+
+def logprob_entropy_rows(logits, targets, keep_mask=None, *, inv_tau=1.0, with_entropy=True,
+                         gathered_target=False, config: MosaicConfig | None = None):
+    """(log_prob [T], entropy [T] or None, saved {name: [padded]}) of one shard (R = 1)
+    through the direct route's two forward kernels. `targets` int32 [T]."""
+    num_tokens, num_vocab = logits.shape
+    masked = keep_mask is not None
+    common = dict(masked=masked, with_entropy=with_entropy, inv_tau=inv_tau,
+                  gathered_target=gathered_target, config=config)
+    operands = [logits] + ([pm._mask_bytes(keep_mask)] if masked else [])
+    if not gathered_target:
+        operands.append(targets)
+    parts = partials_kernel(num_tokens, num_vocab, logits.dtype, **common)(*operands)
+    gathered = []
+    if gathered_target:  # what the bridge gathers with torch ops
+        index = jnp.clip(targets, 0, num_vocab - 1)[:, None]
+        gathered.append(jnp.take_along_axis(logits, index, axis=1)[:, 0].astype(jnp.float32))
+        if masked:
+            bit = jnp.take_along_axis(keep_mask, index, axis=1)[:, 0]
+            gathered.append(bit.astype(jnp.float32))
+    outs = list(finish_kernel(num_tokens, num_vocab, logits.dtype, **common)(
+        *parts, targets, *gathered))
+    log_prob = outs.pop(0)[:num_tokens]
+    entropy = outs.pop(0)[:num_tokens] if with_entropy else None
+    return log_prob, entropy, dict(zip(saved_names(with_entropy, masked), outs))
+
+
+def logits_grad_rows(logits, targets, keep_mask, saved, d_log_prob, d_entropy, *,
+                     inv_tau=1.0, with_entropy=True, entropy_grad=True,
+                     config: MosaicConfig | None = None):
+    """d loss / d logits `[T, V]` through the direct route's backward kernel (JAX form)."""
+    num_tokens, num_vocab = logits.shape
+    masked = keep_mask is not None
+    has_d_entropy = d_entropy is not None and with_entropy and entropy_grad
+    fn = backward_kernel(num_tokens, num_vocab, logits.dtype, masked=masked,
+                         with_entropy=with_entropy, entropy_grad=entropy_grad,
+                         has_d_log_prob=d_log_prob is not None, has_d_entropy=has_d_entropy,
+                         inv_tau=inv_tau, config=config, into=False)
+    operands = ([logits] + ([pm._mask_bytes(keep_mask)] if masked else []) + [targets]
+                + [saved[n] for n in saved_names(with_entropy, masked)]
+                + ([d_log_prob.astype(jnp.float32)] if d_log_prob is not None else [])
+                + ([d_entropy.astype(jnp.float32)] if has_d_entropy else []))
+    grad = fn(*operands)
+    return grad[:num_tokens, :num_vocab]

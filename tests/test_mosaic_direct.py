@@ -1,0 +1,130 @@
+"""The direct route's kernels (`jaxops/mosaic_direct.py`) off-GPU: Mosaic GPU's interpret
+mode against the float64 reference (forward outputs and the gradient for every flag),
+and their CUDA lowering at production sizes, in the one-kernel form that
+`plgpu.as_torch_kernel` accepts. On the GPU they run through the bridge
+(tests/test_bridge_direct.py)."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxops.pallas_config import MosaicConfig
+
+from _oracle import (
+    assert_grad_close,
+    assert_values_close,
+    largest_abs_x,
+    reference64,
+    value_bound,
+)
+from test_mosaic import BF16, F32, _inputs
+
+md = pytest.importorskip("jaxops.mosaic_direct")
+
+INTERPRET = MosaicConfig(interpret=True, chunk_v=512)  # several chunks at these V
+
+CASES = [  # (T, V_loc, dtype, mask, entropy, tau, which cotangents, target gathered)
+    (70, 1360, F32, "mixed", True, 0.7, "both", False),
+    (70, 1360, F32, "mixed", True, 0.7, "both", True),
+    (7, 1024, BF16, None, False, 0.8, "lp", False),
+    (65, 1008, BF16, "mixed", True, 1.3, "both", True),
+    (64, 640, F32, None, True, 1.0, "entropy", False),
+    (3, 1024, F32, "random", True, 1.0, "lp", True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}-V{c[1]}-"
+                         f"{jnp.dtype(c[2]).name}-{c[3]}-ent{int(c[4])}-{c[6]}"
+                         f"{'-gathered' if c[7] else ''}")
+def test_direct_kernels_match_float64(case):
+    num_tokens, num_vocab, dtype, mask_kind, with_entropy, tau, cots, gathered = case
+    logits, targets, mask = _inputs(num_tokens * 7 + num_vocab, num_tokens, num_vocab,
+                                    dtype, mask_kind)
+    targets = targets.astype(jnp.int32)
+    log_prob, entropy, saved = md.logprob_entropy_rows(
+        logits, targets, mask, inv_tau=1 / tau, with_entropy=with_entropy,
+        gathered_target=gathered, config=INTERPRET)
+    keys = jax.random.split(jax.random.key(3), 2)
+    g_lp = jax.random.normal(keys[0], (num_tokens,)) if cots != "entropy" else None
+    g_h = (jax.random.normal(keys[1], (num_tokens,))
+           if with_entropy and cots != "lp" else None)
+    grad = md.logits_grad_rows(logits, targets, mask, saved, g_lp, g_h, inv_tau=1 / tau,
+                               with_entropy=with_entropy, config=INTERPRET)
+    zeros = jnp.zeros((num_tokens,))
+    lp64, ent64, grad64 = reference64(logits, targets, mask,
+                                      zeros if g_lp is None else g_lp,
+                                      zeros if g_h is None else g_h, temperature=tau)
+    bound = value_bound(logits, tau)
+    assert_values_close("log_prob", log_prob, lp64, bound)
+    if with_entropy:
+        finite = np.all(np.isfinite(np.asarray(logits, np.float64)), axis=-1)
+        assert_values_close("entropy", np.asarray(entropy)[finite],
+                            np.asarray(ent64)[finite], bound[finite])
+    else:
+        assert entropy is None
+    assert_grad_close(grad, grad64, dtype, max_abs_x=largest_abs_x(logits, tau))
+
+
+def test_entropy_grad_off_ignores_d_entropy():
+    logits, targets, _ = _inputs(1, 40, 512, F32, None)
+    targets = targets.astype(jnp.int32)
+    _, _, saved = md.logprob_entropy_rows(logits, targets, None, config=INTERPRET)
+    g = jnp.ones((40,))
+    kw = dict(config=INTERPRET)
+    off = md.logits_grad_rows(logits, targets, None, saved, g, g, entropy_grad=False, **kw)
+    lp_only = md.logits_grad_rows(logits, targets, None, saved, g, None, **kw)
+    np.testing.assert_array_equal(np.asarray(off), np.asarray(lp_only))
+
+
+def test_out_of_range_targets_give_nan():
+    logits, _, _ = _inputs(2, 4, 512, F32, None)
+    targets = jnp.array([0, -1, 512, 511], jnp.int32)
+    log_prob, entropy, _ = md.logprob_entropy_rows(logits, targets, config=INTERPRET)
+    np.testing.assert_array_equal(np.isnan(np.asarray(log_prob)), [False, True, True, False])
+    assert np.all(np.isfinite(np.asarray(entropy)))
+
+
+@pytest.mark.parametrize("num_tokens, num_vocab, dtype, masked, with_entropy, gathered", [
+    (16, 1024, F32, False, True, False),
+    (8192, 18992, BF16, False, True, False),
+    (8192, 151936, BF16, True, True, True),
+    (1, 18992, BF16, True, False, False),
+    (32768, 151936, F32, True, True, True),
+])
+def test_direct_kernels_lower_for_cuda_as_one_kernel(num_tokens, num_vocab, dtype, masked,
+                                                     with_entropy, gathered):
+    """Each function is a single `mosaic_gpu` custom call and nothing else -- what the
+    torch launcher requires -- and the backward returns only its placeholder."""
+    S = jax.ShapeDtypeStruct
+
+    def lowered(fn, *structs):
+        traced = jax.jit(fn).trace(*structs)
+        text = traced.lower(lowering_platforms=("cuda",)).as_text()
+        assert text.count("stablehlo.custom_call @mosaic_gpu") == 1
+        ops = re.findall(r"= (stablehlo\.[a-z_]+)", text)
+        assert set(ops) == {"stablehlo.custom_call"}, ops
+        return traced.out_info
+
+    common = dict(masked=masked, with_entropy=with_entropy, inv_tau=1 / 0.7)
+    inputs = ([S((num_tokens, num_vocab), dtype)]
+              + ([S((num_tokens, num_vocab), jnp.uint8)] if masked else [])
+              + [S((num_tokens,), jnp.int32)])
+    row = S((num_tokens,), jnp.float32)
+    parts = lowered(md.partials_kernel(num_tokens, num_vocab, dtype, gathered_target=gathered,
+                                       **common), *(inputs[:-1] if gathered else inputs))
+    outs = lowered(md.finish_kernel(num_tokens, num_vocab, dtype, gathered_target=gathered,
+                                    **common),
+                   *parts, S((num_tokens,), jnp.int32), *[row] * (gathered * (1 + masked)))
+    num_saved = len(md.saved_names(with_entropy, masked))
+    assert len(outs) == 1 + with_entropy + num_saved
+    backward = md.backward_kernel(num_tokens, num_vocab, dtype, entropy_grad=True,
+                                  has_d_log_prob=True, has_d_entropy=True, **common)
+    placeholder = lowered(backward, *inputs, *outs[-num_saved:],
+                          *[S((num_tokens,), jnp.float32)] * (1 + with_entropy),
+                          S((num_tokens, num_vocab), dtype))
+    assert placeholder.shape == (1,)

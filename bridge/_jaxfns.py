@@ -51,8 +51,11 @@ def _cached(make):
 
 
 def compiled_programs() -> int:
-    """How many programs JAX has compiled for the bridge so far (all configurations)."""
-    return sum(fn._cache_size() for fn in _JITTED)
+    """How many programs JAX has compiled for the bridge so far (all configurations),
+    the direct route's kernels included."""
+    from bridge import _direct
+
+    return sum(fn._cache_size() for fn in _JITTED) + _direct.compiled_launchers()
 
 
 def _pack_outputs(log_prob, entropy):

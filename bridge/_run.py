@@ -184,7 +184,14 @@ class ForwardState:
 
 def forward(plan: Plan, inv_tau, with_entropy, group_name, rank, world, *,
             want_stats: bool):
-    """-> (outputs [n_out, T] float32 torch, stats [R, K, T] torch or None, ForwardState)."""
+    """-> (outputs [n_out, T] float32 torch, stats [R, K, T] torch or None, state for
+    `backward`). CUDA + "pallas_mosaic" + one shard takes the direct route (`_direct.py`)."""
+    if plan.dev.cuda and world == 1 and not want_stats:
+        from bridge import _direct
+
+        if _direct.applies(plan, world, want_stats):
+            outputs, state = _direct.forward(plan, inv_tau, with_entropy)
+            return outputs, None, state
     masked = plan.mask is not None
     fn = _jaxfns.local_forward(
         shard_index=rank, world=world, inv_tau=inv_tau, with_entropy=with_entropy,
@@ -227,7 +234,11 @@ def backward(plan: Plan, state: ForwardState | None, stats, d_log_prob, d_entrop
     """d loss / d logits [T, V_loc] in the logits' dtype, allocated by torch (no collective).
 
     `state`: the eager forward's JAX views, or None (the custom-op route: the inputs
-    and the gathered `stats [R, K, T]` are imported again)."""
+    and the gathered `stats [R, K, T]` are imported again), or the direct route's."""
+    if state is not None and not isinstance(state, ForwardState):
+        from bridge import _direct
+
+        return _direct.backward(state, d_log_prob, d_entropy, entropy_grad)
     dev = plan.dev
     grads = [g for g in (d_log_prob, d_entropy) if g is not None]
     d_out = (torch.stack(grads, dim=1) if len(grads) == 2 else grads[0].unsqueeze(1)).float()

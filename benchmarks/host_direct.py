@@ -1,0 +1,202 @@
+"""Host cost of the bridge's direct route (issue 12 item 4) on CUDA, one run.
+
+Per case, µs per forward+backward (`bridge.logprob_entropy` + `torch.autograd.grad`, with
+entropy), every loop in the same process:
+  direct        implementation="pallas_mosaic": Mosaic kernels launched from torch
+                (and with the target's logit gathered by torch / found in the kernel)
+  mosaic_jax    the same kernels through JAX (the direct route switched off)
+  triton        the default route (Triton kernels through JAX)
+  floor         a trivial torch autograd.Function + one kernel each way (no JAX)
+  jax_vjp       one jitted JAX forward+backward of the op on JAX arrays (Mosaic;
+                unmasked cases; it waits for each call, the loops above do not)
+and the forward alone (no graph) through the direct and the default route. Then a varying-T loop (T uniform in
+[1, 32768], V_loc = 18,992 bf16) against a fixed T, with the compile count.
+
+    python -m benchmarks.host_direct --out benchmarks/results/h200_bridge_direct.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import torch  # noqa: E402
+
+import bridge  # noqa: E402
+import jaxops  # noqa: E402
+from bridge import _direct, _jaxfns  # noqa: E402
+
+DEV = torch.device("cuda", 0)
+
+
+def timeit(fn, n, repeats=5, warm=10):
+    """Median over `repeats` of the mean µs per call of `n` calls (synchronised ends)."""
+    for _ in range(warm):
+        fn()
+    torch.cuda.synchronize()
+    means = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+        means.append((time.perf_counter() - t0) / n * 1e6)
+    return statistics.median(means)
+
+
+class _Floor(torch.autograd.Function):
+    """The torch-only floor: one kernel forward (a row sum), one backward (a copy)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.shape = x.shape
+        return x.sum(-1)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g[:, None].expand(ctx.shape).clone()
+
+
+def floor_step(x, g):
+    def step():
+        torch.autograd.grad(_Floor.apply(x), [x], [g])
+    return step
+
+
+def bridge_step(x, y, g, implementation, direct=True, mask=None):
+    def step():
+        lp, h = bridge.logprob_entropy(x, y, implementation=implementation, keep_mask=mask)
+        torch.autograd.grad([lp, h], [x], [g, g])
+
+    if direct:
+        return step
+
+    def without_direct():
+        saved = _direct.applies
+        _direct.applies = lambda *a: False
+        try:
+            step()
+        finally:
+            _direct.applies = saved
+    return without_direct
+
+
+def forward_step(x, y, implementation, mask=None):
+    def step():
+        with torch.no_grad():
+            bridge.logprob_entropy(x, y, implementation=implementation, keep_mask=mask)
+    return step
+
+
+def jax_step(x, y, g):
+    @jax.jit
+    def vjp(a, b, c):
+        (_, _), f = jax.vjp(lambda z: jaxops.logprob_entropy(
+            z, b, implementation="pallas_mosaic"), a)
+        return f((c, c))[0]
+
+    dtype = jnp.bfloat16 if x.dtype == torch.bfloat16 else jnp.float32
+    jx = jnp.asarray(x.detach().float().cpu().numpy()).astype(dtype)
+    jy = jnp.asarray(y.cpu().numpy()).astype(jnp.int32)
+    jg = jnp.asarray(g.cpu().numpy())
+
+    def step():
+        vjp(jx, jy, jg).block_until_ready()
+    return step
+
+
+def run_case(T, V, dtype, n, masked=False):
+    x = torch.randn(T, V, device=DEV, dtype=dtype, requires_grad=True)
+    y = torch.randint(0, V, (T,), device=DEV)
+    g = torch.randn(T, device=DEV)
+    m = torch.rand(T, V, device=DEV) < 0.1 if masked else None
+    r = dict(
+        direct=timeit(bridge_step(x, y, g, "pallas_mosaic", mask=m), n),
+        direct_forward=timeit(forward_step(x, y, "pallas_mosaic", mask=m), n),
+        triton_forward=timeit(forward_step(x, y, None, mask=m), n),
+        mosaic_jax=timeit(bridge_step(x, y, g, "pallas_mosaic", direct=False, mask=m), n),
+        triton=timeit(bridge_step(x, y, g, None, mask=m), n),
+        floor=timeit(floor_step(x, g), n),
+    )
+    saved = _direct.GATHER_TARGET_FROM
+    for name, threshold in (("direct_target_gathered", 0),
+                            ("direct_target_in_kernel", 2**62)):
+        _direct.GATHER_TARGET_FROM = threshold
+        try:
+            r[name] = timeit(bridge_step(x, y, g, "pallas_mosaic", mask=m), n)
+        finally:
+            _direct.GATHER_TARGET_FROM = saved
+    if not masked:
+        r["jax_vjp"] = timeit(jax_step(x, y, g), n)
+        r["direct_minus_jax_vjp"] = r["direct"] - r["jax_vjp"]
+    r["direct_over_floor"] = r["direct"] / r["floor"]
+    r["triton_over_floor"] = r["triton"] / r["floor"]
+    return r
+
+
+def varying_t(V=18992, calls=40, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(1, 32769, (calls,), generator=gen).tolist()
+    x_all = torch.randn(32768, V, device=DEV, dtype=torch.bfloat16)
+    y_all = torch.randint(0, V, (32768,), device=DEV)
+    g_all = torch.randn(32768, device=DEV)
+
+    def loop(ts):
+        for T in ts:
+            x = x_all[:T].detach().requires_grad_()
+            lp, h = bridge.logprob_entropy(x, y_all[:T], implementation="pallas_mosaic")
+            torch.autograd.grad([lp, h], [x], [g_all[:T], g_all[:T]])
+
+    out = {}
+    before = _jaxfns.compiled_programs()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    loop(sizes)
+    torch.cuda.synchronize()
+    out["first_pass_ms"] = (time.perf_counter() - t0) / calls * 1e3
+    out["compiled_first_pass"] = _jaxfns.compiled_programs() - before
+    before = _jaxfns.compiled_programs()
+    for name, ts in (("same_sequence_ms", sizes),
+                     ("new_sequence_ms", torch.randint(1, 32769, (calls,),
+                                                       generator=gen).tolist()),
+                     ("fixed_T16384_ms", [16384] * calls)):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loop(ts)
+        torch.cuda.synchronize()
+        out[name] = (time.perf_counter() - t0) / calls * 1e3
+    out["compiled_after_first_pass"] = _jaxfns.compiled_programs() - before
+    out["mean_T"] = sum(sizes) / calls
+    return out
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    results = {"device": torch.cuda.get_device_name(), "jax": jax.__version__,
+               "torch": torch.__version__, "cases": {}}
+    for T, V, dtype, n, masked in [(16, 1024, torch.float32, 300, False),
+                                   (8192, 18992, torch.bfloat16, 100, False),
+                                   (8192, 151936, torch.bfloat16, 30, False),
+                                   (8192, 151936, torch.bfloat16, 20, True),
+                                   (8192, 151936, torch.float32, 20, False)]:
+        key = f"T{T}_V{V}_{str(dtype).split('.')[-1]}" + ("_mask" if masked else "")
+        results["cases"][key] = run_case(T, V, dtype, n, masked)
+        print(key, json.dumps({k: round(v, 2) for k, v in results["cases"][key].items()}),
+              flush=True)
+    results["varying_t"] = varying_t()
+    print("varying_t", json.dumps(results["varying_t"]), flush=True)
+    with open(args.out, "w") as f:
+        json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,330 @@
+"""The direct route: the Mosaic GPU kernels launched from torch, no JAX runtime per call.
+
+Through JAX, every call pays PJRT's dispatch, a DLPack import per operand and an
+export per result: ~230 µs of host time for a forward and a backward at T = 16, more
+than the torch-only floor of the whole call (benchmarks/NOTES.md, "Host cost"). Here
+the kernels of `jaxops/mosaic_direct.py` are compiled once per row-window size into
+launchers (`plgpu.as_torch_kernel`), which take torch tensors, allocate their outputs
+with torch's caching allocator and launch on torch's default CUDA stream:
+
+    forward   per window: partials kernel -> finish kernel -> log_prob, entropy,
+              saved multipliers (O(T), kept for the backward)
+    backward  torch allocates d logits; per window one kernel stores its rows into it
+
+Taken when (`applies`): CUDA, implementation "pallas_mosaic", one vocabulary shard
+(no process group, or a group of one), the eager autograd route, the logits on the
+current CUDA device, and a shape the kernels take (`mosaic_direct.supported`);
+everything else goes through JAX (`_run.py`). Work on another stream than the
+default is fenced with stream waits (no host sync).
+
+The launcher (`_Launcher`) is built from the two pieces `plgpu.as_torch_kernel` is
+made of in jax 0.10-0.11 (the lowered module's Mosaic GPU call, and
+`mosaic.gpu.core._compile_as_torch_gpu_kernel`), without that wrapper's per-call
+argument checks and per-output allocations: on the H200 host those cost ~80 µs per
+launch, more than the launch. Outputs of one kernel are carved out of one torch
+allocation. If a JAX version lacks the pieces, `_ready()` is False and the bridge
+uses the JAX route.
+
+Targets: int32 ids go in as they are; other integer ids are clamped to [-1, V] and
+converted (two small torch ops), so an out-of-range id of any width stays out of
+range (NaN log-prob) instead of wrapping around.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import threading
+
+import torch
+
+from bridge._run import small
+from jaxops.pallas_config import MosaicConfig
+
+_LAUNCHERS: dict = {}  # kernel -> _Launcher
+_thread = threading.local()
+
+
+def compiled_launchers() -> int:
+    """Kernels compiled for the direct route so far (one per kernel and window size)."""
+    return len(_LAUNCHERS)
+
+
+@functools.cache
+def _ready() -> bool:
+    """JAX's Mosaic GPU can compile for torch here (CUDA JAX, sm_90+, the pieces)."""
+    try:
+        from jax._src.pallas.mosaic_gpu import torch as mgpu_torch
+        from jax.experimental.mosaic.gpu import core as mgpu_core
+
+        from jaxops import implementations
+
+        implementations._check_mosaic_gpu()
+        return (hasattr(mgpu_torch, "_find_mgpu_call_in_module")
+                and hasattr(mgpu_core, "_compile_as_torch_gpu_kernel"))
+    except Exception:  # no CUDA JAX, a GPU before Hopper: the JAX route decides
+        return False
+
+
+def applies(plan, world: int, want_stats: bool) -> bool:
+    if want_stats or world != 1 or not plan.dev.cuda or plan.implementation != "pallas_mosaic":
+        return False
+    if plan.logits.device.index != torch.cuda.current_device():
+        return False
+    if plan.config is not None and plan.config.interpret:
+        return False
+    from jaxops import mosaic_direct
+
+    return (mosaic_direct.supported(plan.num_vocab, plan.logits.element_size(),
+                                    plan.mask is not None) and _ready())
+
+
+class _Launcher:
+    """One kernel compiled for operands of fixed shapes; `launcher(pointers)` launches
+    it on torch's default stream with the buffers at these addresses (inputs, then
+    outputs, as the kernel declares them)."""
+
+    def __init__(self, kernel, structs, device):
+        import jax
+        from jax._src.lib.mlir import passmanager
+        from jax._src.pallas.mosaic_gpu import torch as mgpu_torch
+        from jax.experimental.mosaic import gpu as mgpu
+        from jax.experimental.mosaic.gpu import core as mgpu_core
+
+        with jax.enable_x64(False):  # the kernels are float32/int32 throughout
+            module = jax.jit(kernel).trace(*structs).lower().compiler_ir()
+        with module.context:
+            # jit outlines the kernel call into a function; inline it back.
+            mgpu.dialect.register_inliner_extensions(module.context)
+            passmanager.PassManager.parse("builtin.module(inline{default-pipeline=})").run(
+                module.operation)
+            call = mgpu_torch._find_mgpu_call_in_module(module)[0]
+        if len(call.operands) != len(structs):
+            raise RuntimeError("the kernel module has operands besides the kernel's own")
+        self.num_buffers = len(structs) + len(call.results)
+        asm = call.attributes["mhlo.backend_config"]["module"].value_bytes
+        self._launch, self._unload = mgpu_core._compile_as_torch_gpu_kernel(asm)
+        self._device = device
+
+    def __call__(self, pointers):
+        self._launch((ctypes.c_void_p * self.num_buffers)(*pointers), self._device)
+
+
+def _bind_primary_context(device_index: int) -> None:
+    """Make the device's primary CUDA context current on this thread, once per thread.
+
+    Mosaic's compiler and launcher use the CUDA driver API, which needs a current
+    context; torch's runtime API binds one lazily, so a thread that has only run
+    torch's cached allocations -- torch's autograd device thread, where the backward
+    runs -- may have none ("Failed to compile the module")."""
+    if getattr(_thread, "bound", None) == device_index:
+        return
+    cuda = ctypes.CDLL("libcuda.so.1")
+    ctx = ctypes.c_void_p()
+    if cuda.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or not ctx.value:
+        dev = ctypes.c_int()
+        if (cuda.cuDeviceGet(ctypes.byref(dev), device_index) != 0
+                or cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0
+                or cuda.cuCtxSetCurrent(ctx) != 0):
+            raise RuntimeError(f"could not make CUDA device {device_index}'s context current")
+    _thread.bound = device_index
+
+
+def _launcher(kernel, structs, device):
+    _bind_primary_context(device.index)  # compiling and launching both need it
+    launcher = _LAUNCHERS.get(kernel)
+    if launcher is None:
+        launcher = _LAUNCHERS[kernel] = _Launcher(kernel, structs, device)
+    return launcher
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_kernels(num_tokens, num_vocab, dtype, masked, with_entropy, inv_tau, config,
+                     gathered_target):
+    from jaxops import mosaic_direct as md
+
+    common = dict(masked=masked, with_entropy=with_entropy, inv_tau=inv_tau, config=config,
+                  gathered_target=gathered_target)
+    return (md.partials_kernel(num_tokens, num_vocab, dtype, **common),
+            md.finish_kernel(num_tokens, num_vocab, dtype, **common),
+            md.layout(num_tokens, num_vocab, dtype, masked=masked, with_entropy=with_entropy,
+                      gathered_target=gathered_target, config=config))
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_kernel(num_tokens, num_vocab, dtype, masked, with_entropy, entropy_grad,
+                     has_d_log_prob, has_d_entropy, inv_tau, config):
+    from jaxops import mosaic_direct as md
+
+    return md.backward_kernel(num_tokens, num_vocab, dtype, masked=masked,
+                              with_entropy=with_entropy, entropy_grad=entropy_grad,
+                              has_d_log_prob=has_d_log_prob, has_d_entropy=has_d_entropy,
+                              inv_tau=inv_tau, config=config, into=True)
+
+
+def _struct(shape, dtype):
+    import jax
+
+    return jax.ShapeDtypeStruct(tuple(shape), dtype)
+
+
+class _OnDefaultStream:
+    """The launcher launches on torch's default stream: fence it with the current
+    stream when that is another one (stream waits only, no host sync). Tensors made on
+    the current stream for the kernels must stay referenced until the exit's wait:
+    freed earlier, torch's allocator could hand their memory to current-stream work
+    while a default-stream kernel still reads it."""
+
+    __slots__ = ("index", "other")
+
+    def __init__(self, index):
+        self.index = index
+
+    def __enter__(self):
+        self.other = torch._C._cuda_getCurrentRawStream(self.index) != 0  # 0: default
+        if self.other:
+            torch.cuda.default_stream(self.index).wait_stream(torch.cuda.current_stream())
+        return self
+
+    def __exit__(self, *exc):
+        if self.other:
+            torch.cuda.current_stream().wait_stream(torch.cuda.default_stream(self.index))
+
+
+class State:
+    """What the backward needs: per window (targets, saved multipliers [n, padded])."""
+
+    __slots__ = ("plan", "config", "targets", "saved", "with_entropy", "inv_tau")
+
+    def __init__(self, plan, config, targets, saved, with_entropy, inv_tau):
+        self.plan, self.config, self.targets, self.saved = plan, config, targets, saved
+        self.with_entropy, self.inv_tau = with_entropy, inv_tau
+
+
+_JAX_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# From this many logits per call on, the target's logit (and mask bit) are gathered by
+# torch (2-4 small ops of host time) instead of tested for in every element of the
+# partials kernel (~20% of its GPU time at large sizes; benchmarks/NOTES.md).
+GATHER_TARGET_FROM = 2**28
+
+
+def _target_ids(plan) -> torch.Tensor:
+    ids = plan.raw_targets
+    if plan.target_mode == "i64":
+        ids = ids.view(torch.int64).clamp(-1, plan.num_vocab).to(torch.int32)
+    return ids
+
+
+def _config(plan) -> MosaicConfig:
+    return plan.config if isinstance(plan.config, MosaicConfig) else MosaicConfig()
+
+
+def _big_operands(plan, w, dtype):
+    """(pointers, structs) of window w's [b, V] operands: logits (and mask as bytes)."""
+    logits = plan.rows(plan.logits, w)
+    pointers, structs = [logits.data_ptr()], [_struct(logits.shape, dtype)]
+    if plan.mask is not None:
+        pointers.append(plan.rows(plan.mask, w).data_ptr())  # bool is one byte
+        structs.append(_struct(logits.shape, "uint8"))
+    return pointers, structs
+
+
+def forward(plan, inv_tau: float, with_entropy: bool):
+    """-> (outputs [n_out][T] float32, State): log_prob and (with_entropy) entropy."""
+    config = _config(plan)
+    masked = plan.mask is not None
+    device = plan.logits.device
+    ids = _target_ids(plan)
+    dtype = _JAX_DTYPES[plan.logits.dtype]
+    gathered = plan.num_tokens * plan.num_vocab >= GATHER_TARGET_FROM
+    extra = []  # [T] float32: the target's raw logit (and mask bit), gathered by torch
+    if gathered:
+        index = (plan.raw_targets.view(torch.int64) if plan.target_mode == "i64"
+                 else ids.long()).clamp(0, plan.num_vocab - 1).unsqueeze(1)
+        extra.append(plan.logits.gather(1, index).view(-1).float())
+        if masked:
+            extra.append(plan.mask.gather(1, index).view(-1).float())
+    pieces, targets, saved = [], [], []
+    keep = []  # temporaries live until the fence at the end (see _OnDefaultStream)
+    with _OnDefaultStream(device.index):
+        for w in plan.windows:
+            partials, finish, sizes = _forward_kernels(
+                w.size, plan.num_vocab, dtype, masked, with_entropy, inv_tau, config,
+                gathered)
+            chunks, padded = sizes["chunks"], sizes["padded"]
+            t = small(plan.rows(ids, w), plan.dev)
+            parts = torch.empty((sizes["num_partials"], chunks, padded), dtype=torch.float32,
+                                device=device)
+            outs = torch.empty((sizes["num_finish"], padded), dtype=torch.float32,
+                               device=device)
+            pointers, structs = _big_operands(plan, w, dtype)
+            part_ptrs = [parts[k].data_ptr() for k in range(sizes["num_partials"])]
+            part_struct = _struct((chunks, padded), "float32")
+            t_struct = _struct(t.shape, "int32")
+            if not gathered:
+                pointers, structs = pointers + [t.data_ptr()], structs + [t_struct]
+            _launcher(partials, structs, device)(pointers + part_ptrs)
+            rows = [small(plan.rows(e, w), plan.dev) for e in extra]
+            keep += [parts, rows]
+            _launcher(finish, [part_struct] * len(part_ptrs) + [t_struct]
+                      + [_struct(r.shape, "float32") for r in rows], device)(
+                part_ptrs + [t.data_ptr()] + [r.data_ptr() for r in rows]
+                + [outs[k].data_ptr() for k in range(len(outs))])
+            pieces.append(outs[:1 + with_entropy])
+            saved.append(outs[1 + with_entropy:])
+            targets.append(t)
+    del keep
+    outputs = _assemble(plan, pieces, 1 + with_entropy)
+    return outputs, State(plan, config, targets, saved, with_entropy, inv_tau)
+
+
+def _assemble(plan, pieces, n_out):
+    """Per-window [n_out, padded] -> [n_out][T] (views where one window covers T)."""
+    num_tokens = plan.num_tokens
+    if len(pieces) == 1:
+        return [pieces[0][k, :num_tokens] for k in range(n_out)]
+    out = pieces[0].new_empty((n_out, num_tokens))
+    for w, piece in zip(plan.windows, pieces):
+        out[:, w.start + w.skip:w.start + w.size] = piece[:, w.skip:w.size]
+    return out
+
+
+_placeholders: dict = {}  # device index -> int32 [1], the backward's unwritten output
+
+
+def backward(state: State, d_log_prob, d_entropy, entropy_grad: bool) -> torch.Tensor:
+    """d loss / d logits [T, V_loc] in the logits' dtype, written by the kernels into a
+    torch-allocated tensor."""
+    plan = state.plan
+    masked = plan.mask is not None
+    device = plan.logits.device
+    has_d_entropy = d_entropy is not None and state.with_entropy and entropy_grad
+    dtype = _JAX_DTYPES[plan.logits.dtype]
+    grads = [g.float() for g in (d_log_prob, d_entropy if has_d_entropy else None)
+             if g is not None]
+    grad = torch.empty_like(plan.logits)
+    placeholder = _placeholders.get(device.index)
+    if placeholder is None:
+        placeholder = _placeholders[device.index] = torch.empty(1, dtype=torch.int32,
+                                                                device=device)
+    keep = []  # temporaries live until the fence at the end (see _OnDefaultStream)
+    with _OnDefaultStream(device.index):
+        for w, t, saved in zip(plan.windows, state.targets, state.saved):
+            kernel = _backward_kernel(w.size, plan.num_vocab, dtype, masked,
+                                      state.with_entropy, entropy_grad,
+                                      d_log_prob is not None, has_d_entropy, state.inv_tau,
+                                      state.config)
+            pointers, structs = _big_operands(plan, w, dtype)
+            grad_rows = plan.rows(grad, w)
+            d_rows = [small(plan.rows(g, w), plan.dev) for g in grads]
+            keep.append(d_rows)
+            pointers += ([t.data_ptr()] + [saved[k].data_ptr() for k in range(len(saved))]
+                         + [d.data_ptr() for d in d_rows]
+                         + [grad_rows.data_ptr(), placeholder.data_ptr()])
+            structs += ([_struct(t.shape, "int32")]
+                        + [_struct(saved.shape[1:], "float32")] * len(saved)
+                        + [_struct(d.shape, "float32") for d in d_rows]
+                        + [_struct(grad_rows.shape, dtype)])
+            _launcher(kernel, structs, device)(pointers)
+    del keep
+    return grad

@@ -202,9 +202,10 @@ class State:
 
 
 _JAX_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# From this many logits per call on, the target's logit (and mask bit) are gathered by
-# torch (2-4 small ops of host time) instead of tested for in every element of the
-# partials kernel (~20% of its GPU time at large sizes; benchmarks/NOTES.md).
+# From this many logits per row window on, the target's logit (and mask bit) are
+# gathered by torch (2-4 small ops, +160-220 µs of host time per call on the H200 host) instead
+# of tested for in every element of the partials kernel (+134 µs of GPU time per call
+# at T = 8192, V = 151,936 bf16; benchmarks/NOTES.md, "The direct route").
 GATHER_TARGET_FROM = 2**28
 
 
@@ -236,9 +237,10 @@ def forward(plan, inv_tau: float, with_entropy: bool):
     device = plan.logits.device
     ids = _target_ids(plan)
     dtype = _JAX_DTYPES[plan.logits.dtype]
-    gathered = plan.num_tokens * plan.num_vocab >= GATHER_TARGET_FROM
+    # Per window size, so that each size always uses the same kernels (bounded compiles).
+    gathers = [w.size * plan.num_vocab >= GATHER_TARGET_FROM for w in plan.windows]
     extra = []  # [T] float32: the target's raw logit (and mask bit), gathered by torch
-    if gathered:
+    if any(gathers):
         index = (plan.raw_targets.view(torch.int64) if plan.target_mode == "i64"
                  else ids.long()).clamp(0, plan.num_vocab - 1).unsqueeze(1)
         extra.append(plan.logits.gather(1, index).view(-1).float())
@@ -247,7 +249,7 @@ def forward(plan, inv_tau: float, with_entropy: bool):
     pieces, targets, saved = [], [], []
     keep = []  # temporaries live until the fence at the end (see _OnDefaultStream)
     with _OnDefaultStream(device.index):
-        for w in plan.windows:
+        for w, gathered in zip(plan.windows, gathers):
             partials, finish, sizes = _forward_kernels(
                 w.size, plan.num_vocab, dtype, masked, with_entropy, inv_tau, config,
                 gathered)
@@ -264,7 +266,7 @@ def forward(plan, inv_tau: float, with_entropy: bool):
             if not gathered:
                 pointers, structs = pointers + [t.data_ptr()], structs + [t_struct]
             _launcher(partials, structs, device)(pointers + part_ptrs)
-            rows = [small(plan.rows(e, w), plan.dev) for e in extra]
+            rows = [small(plan.rows(e, w), plan.dev) for e in extra] if gathered else []
             keep += [parts, rows]
             _launcher(finish, [part_struct] * len(part_ptrs) + [t_struct]
                       + [_struct(r.shape, "float32") for r in rows], device)(

@@ -324,7 +324,9 @@ def logprob_entropy(
       entropy_grad: False: entropy is returned but is constant for autograd.
       implementation: None ("pallas" on CUDA, "xla" on CPU), "pallas" (= the Triton
         kernels), "pallas_triton", "pallas_mosaic" (Mosaic GPU kernels, Hopper+), all
-        three in interpret mode on CPU (slow, for tests), or "xla".
+        three in interpret mode on CPU (slow, for tests), or "xla". "pallas_mosaic" on
+        CUDA without a process group, in eager mode, launches its kernels from torch
+        without JAX's runtime (`_direct.py`: less host time per call).
       check_targets: opt-in checks that cost a host sync per call: raise ValueError for
         targets outside the vocabulary (`bridge.check_targets`) and, with a process
         group, for ranks passing different T. Off by default (no host sync): an

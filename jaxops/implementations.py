@@ -16,6 +16,7 @@ does not load a Pallas lowering (Triton or Mosaic GPU).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from types import ModuleType
 
@@ -36,21 +37,30 @@ def is_pallas(implementation: str | None) -> bool:
     return implementation in _PALLAS
 
 
-def _check_mosaic_gpu() -> None:
-    """Mosaic GPU compiles for Hopper (compute capability 9.0) and newer only; say so
-    before its compiler fails on an older GPU."""
+@functools.cache
+def _first_gpu_capability() -> tuple[str, tuple[int, int]] | None:
+    """(device kind, compute capability) of JAX's first device that reports one. Cached:
+    `resolve` runs on every call of the op and of the bridge, and the devices of a
+    process do not change."""
     import jax
 
     for device in jax.devices():
         capability = getattr(device, "compute_capability", None)
-        if capability is None:
-            continue
-        if tuple(int(p) for p in str(capability).split(".")[:2]) < (9, 0):
-            raise ValueError(
-                f"implementation 'pallas_mosaic' needs an NVIDIA GPU of compute capability "
-                f">= 9.0 (Hopper or newer); {device.device_kind} has {capability}. Use "
-                f"'pallas_triton' (or 'pallas', its alias) there.")
-        return
+        if capability is not None:
+            return device.device_kind, tuple(int(p) for p in str(capability).split(".")[:2])
+    return None
+
+
+def _check_mosaic_gpu() -> None:
+    """Mosaic GPU compiles for Hopper (compute capability 9.0) and newer only; say so
+    before its compiler fails on an older GPU."""
+    found = _first_gpu_capability()
+    if found is not None and found[1] < (9, 0):
+        kind, capability = found
+        raise ValueError(
+            f"implementation 'pallas_mosaic' needs an NVIDIA GPU of compute capability "
+            f">= 9.0 (Hopper or newer); {kind} has {'.'.join(map(str, capability))}. Use "
+            f"'pallas_triton' (or 'pallas', its alias) there.")
 
 
 def _platform(platform: str | None) -> str:

@@ -369,9 +369,15 @@ def test_mosaic_refuses_gpus_before_hopper(monkeypatch):
     class Hopper:
         device_kind, compute_capability = "NVIDIA H200", "9.0"
 
-    monkeypatch.setattr(jax, "devices", lambda *a: [Ampere()])
-    with pytest.raises(ValueError, match="compute capability >= 9.0.*pallas_triton"):
-        implementations.resolve("pallas_mosaic", "gpu")
-    assert implementations.resolve("pallas_triton", "gpu")[0] == "pallas_triton"
-    monkeypatch.setattr(jax, "devices", lambda *a: [Hopper()])
-    assert implementations.resolve("pallas_mosaic", "gpu")[0] == "pallas_mosaic"
+    cached = implementations._first_gpu_capability  # the devices are looked up once
+    try:
+        cached.cache_clear()
+        monkeypatch.setattr(jax, "devices", lambda *a: [Ampere()])
+        with pytest.raises(ValueError, match="capability >= 9.0.*has 8.0.*pallas_triton"):
+            implementations.resolve("pallas_mosaic", "gpu")
+        assert implementations.resolve("pallas_triton", "gpu")[0] == "pallas_triton"
+        cached.cache_clear()
+        monkeypatch.setattr(jax, "devices", lambda *a: [Hopper()])
+        assert implementations.resolve("pallas_mosaic", "gpu")[0] == "pallas_mosaic"
+    finally:
+        cached.cache_clear()

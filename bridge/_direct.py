@@ -1,11 +1,11 @@
 """The direct route: the Mosaic GPU kernels launched from torch, no JAX runtime per call.
 
 Through JAX, every call pays PJRT's dispatch, a DLPack import per operand and an
-export per result: ~230 µs of host time for a forward and a backward at T = 16, more
-than the torch-only floor of the whole call (benchmarks/NOTES.md, "Host cost"). Here
-the kernels of `jaxops/mosaic_direct.py` are compiled once per row-window size into
-launchers (`plgpu.as_torch_kernel`), which take torch tensors, allocate their outputs
-with torch's caching allocator and launch on torch's default CUDA stream:
+export per result (~230 µs of host time for a forward and a backward at T = 16;
+benchmarks/NOTES.md, "Host cost"). Here the kernels of `jaxops/mosaic_direct.py` are
+compiled once per row-window size into launchers that take pointers to torch's
+tensors and launch on torch's default CUDA stream; every buffer comes from torch's
+caching allocator:
 
     forward   per window: partials kernel -> finish kernel -> log_prob, entropy,
               saved multipliers (O(T), kept for the backward)
@@ -21,13 +21,15 @@ The launcher (`_Launcher`) is built from the two pieces `plgpu.as_torch_kernel` 
 made of in jax 0.10-0.11 (the lowered module's Mosaic GPU call, and
 `mosaic.gpu.core._compile_as_torch_gpu_kernel`), without that wrapper's per-call
 argument checks and per-output allocations: on the H200 host those cost ~80 µs per
-launch, more than the launch. Outputs of one kernel are carved out of one torch
-allocation. If a JAX version lacks the pieces, `_ready()` is False and the bridge
-uses the JAX route.
+launch. Outputs of one kernel are carved out of one torch allocation. If a JAX
+version lacks the pieces, `_ready()` is False and the bridge uses the JAX route.
 
-Targets: int32 ids go in as they are; other integer ids are clamped to [-1, V] and
-converted (two small torch ops), so an out-of-range id of any width stays out of
-range (NaN log-prob) instead of wrapping around.
+Targets: int64 ids are clamped to [-1, V] before the int32 conversion (two small torch
+ops), so an out-of-range id stays out of range (NaN log-prob) instead of wrapping
+around. Large windows (`GATHER_TARGET_FROM`) get the target's logit gathered by torch.
+
+Measured on the H200 (benchmarks/NOTES.md, "The direct route"): 25-40% less host time
+than the JAX route, still 2.7-6x the torch-only floor at host-bound sizes.
 """
 
 from __future__ import annotations

@@ -140,3 +140,20 @@ def assert_grad_close(grad, grad64, dtype, floor=0.0, max_abs_x=0.0, *, rtol=Non
         f"{name} ||g - g64|| / ||g64|| = {err / max(norm, 1e-300):.3g} > {rtol:g} "
         f"(||g64|| = {norm:.3g}, max |g - g64| = {np.max(np.abs(got - want), initial=0):.3g})")
     return float(err / max(norm, 1e-30))
+
+
+def assert_op_close(logits, temperature, got, want, with_entropy: bool) -> None:
+    """The op's (log_prob, entropy, d logits) `got` against the float64 `want` of
+    `reference64`: values within `value_bound`, entropy on rows whose logits are all
+    finite (elsewhere the reference's is not defined the same way), None without it."""
+    (log_prob, entropy, grad), (lp64, ent64, grad64) = got, want
+    bound = value_bound(logits, temperature)
+    assert_values_close("log_prob", log_prob, lp64, bound)
+    if with_entropy:
+        finite = np.all(np.isfinite(np.asarray(logits, np.float64)), axis=-1)
+        assert_values_close("entropy", np.asarray(entropy)[finite],
+                            np.asarray(ent64)[finite], bound[finite])
+    else:
+        assert entropy is None
+    assert_grad_close(grad, grad64, logits.dtype,
+                      max_abs_x=largest_abs_x(logits, temperature))

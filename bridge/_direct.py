@@ -132,10 +132,13 @@ def _bind_primary_context(device_index: int) -> None:
     _thread.bound = device_index
 
 
-def _launcher(kernel, structs, device):
+def _launcher(kernel, operands, device):
+    """The launcher of `kernel`, compiled on first use for `operands`: (*shape, dtype)
+    tuples (ShapeDtypeStructs are made only then: they cost microseconds each)."""
     _bind_primary_context(device.index)  # compiling and launching both need it
     launcher = _LAUNCHERS.get(kernel)
     if launcher is None:
+        structs = [_struct(op[:-1], op[-1]) for op in operands]
         launcher = _LAUNCHERS[kernel] = _Launcher(kernel, structs, device)
     return launcher
 
@@ -194,13 +197,14 @@ class _OnDefaultStream:
 
 
 class State:
-    """What the backward needs: per window (targets, saved multipliers [n, padded])."""
+    """What the backward needs: per window the addresses of the targets and of the saved
+    multipliers, and `buffers`, which holds the tensors at those addresses."""
 
-    __slots__ = ("plan", "config", "targets", "saved", "with_entropy", "inv_tau")
+    __slots__ = ("plan", "config", "targets", "saved", "with_entropy", "inv_tau", "buffers")
 
-    def __init__(self, plan, config, targets, saved, with_entropy, inv_tau):
+    def __init__(self, plan, config, targets, saved, with_entropy, inv_tau, buffers):
         self.plan, self.config, self.targets, self.saved = plan, config, targets, saved
-        self.with_entropy, self.inv_tau = with_entropy, inv_tau
+        self.with_entropy, self.inv_tau, self.buffers = with_entropy, inv_tau, buffers
 
 
 _JAX_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -212,24 +216,42 @@ GATHER_TARGET_FROM = 2**28
 
 
 def _target_ids(plan) -> torch.Tensor:
+    """[T] int32, contiguous (the kernels read b consecutive ids per window)."""
     ids = plan.raw_targets
     if plan.target_mode == "i64":
         ids = ids.view(torch.int64).clamp(-1, plan.num_vocab).to(torch.int32)
-    return ids
+    return ids.contiguous()
 
 
 def _config(plan) -> MosaicConfig:
     return plan.config if isinstance(plan.config, MosaicConfig) else MosaicConfig()
 
 
-def _big_operands(plan, w, dtype):
+def _rows_ptr(t: torch.Tensor, w, keep: list) -> int:
+    """Address of row `w.start` of a contiguous tensor, without making a view (host
+    time per call counts here). An O(T) vector's window that does not start on a
+    16-byte boundary (TMA's requirement) is copied; the [T, V] operands' windows always
+    do (`_windows.row_align`)."""
+    ptr = t.data_ptr() + w.start * t.stride(0) * t.element_size()
+    if ptr % 16:
+        copy = t[w.start:w.start + w.size].clone()
+        keep.append(copy)
+        ptr = copy.data_ptr()
+    return ptr
+
+
+def _big_operands(plan, w, dtype, keep):
     """(pointers, structs) of window w's [b, V] operands: logits (and mask as bytes)."""
-    logits = plan.rows(plan.logits, w)
-    pointers, structs = [logits.data_ptr()], [_struct(logits.shape, dtype)]
+    pointers = [_rows_ptr(plan.logits, w, keep)]
+    structs = [(w.size, plan.num_vocab, dtype)]
     if plan.mask is not None:
-        pointers.append(plan.rows(plan.mask, w).data_ptr())  # bool is one byte
-        structs.append(_struct(logits.shape, "uint8"))
+        pointers.append(_rows_ptr(plan.mask, w, keep))  # bool is one byte
+        structs.append((w.size, plan.num_vocab, "uint8"))
     return pointers, structs
+
+
+def _vector(size, dtype="float32"):
+    return (size, dtype)
 
 
 def forward(plan, inv_tau: float, with_entropy: bool):
@@ -256,30 +278,30 @@ def forward(plan, inv_tau: float, with_entropy: bool):
                 w.size, plan.num_vocab, dtype, masked, with_entropy, inv_tau, config,
                 gathered)
             chunks, padded = sizes["chunks"], sizes["padded"]
-            t = small(plan.rows(ids, w), plan.dev)
-            parts = torch.empty((sizes["num_partials"], chunks, padded), dtype=torch.float32,
+            num_parts, num_outs = sizes["num_partials"], sizes["num_finish"]
+            parts = torch.empty((num_parts, chunks, padded), dtype=torch.float32,
                                 device=device)
-            outs = torch.empty((sizes["num_finish"], padded), dtype=torch.float32,
-                               device=device)
-            pointers, structs = _big_operands(plan, w, dtype)
-            part_ptrs = [parts[k].data_ptr() for k in range(sizes["num_partials"])]
-            part_struct = _struct((chunks, padded), "float32")
-            t_struct = _struct(t.shape, "int32")
+            outs = torch.empty((num_outs, padded), dtype=torch.float32, device=device)
+            keep.append(parts)
+            part_ptrs = [parts.data_ptr() + k * chunks * padded * 4 for k in range(num_parts)]
+            out_ptrs = [outs.data_ptr() + k * padded * 4 for k in range(num_outs)]
+            t_ptr = _rows_ptr(ids, w, keep)
+            pointers, structs = _big_operands(plan, w, dtype, keep)
             if not gathered:
-                pointers, structs = pointers + [t.data_ptr()], structs + [t_struct]
+                pointers.append(t_ptr)
+                structs.append(_vector(w.size, "int32"))
             _launcher(partials, structs, device)(pointers + part_ptrs)
-            rows = [small(plan.rows(e, w), plan.dev) for e in extra] if gathered else []
-            keep += [parts, rows]
-            _launcher(finish, [part_struct] * len(part_ptrs) + [t_struct]
-                      + [_struct(r.shape, "float32") for r in rows], device)(
-                part_ptrs + [t.data_ptr()] + [r.data_ptr() for r in rows]
-                + [outs[k].data_ptr() for k in range(len(outs))])
+            extra_ptrs = [_rows_ptr(e, w, keep) for e in extra] if gathered else []
+            _launcher(finish, [(chunks, padded, "float32")] * num_parts
+                      + [_vector(w.size, "int32")] + [_vector(w.size)] * len(extra_ptrs),
+                      device)(part_ptrs + [t_ptr] + extra_ptrs + out_ptrs)
             pieces.append(outs[:1 + with_entropy])
-            saved.append(outs[1 + with_entropy:])
-            targets.append(t)
-    del keep
+            saved.append(out_ptrs[1 + with_entropy:])
+            targets.append(t_ptr)
+            keep.append(outs)
     outputs = _assemble(plan, pieces, 1 + with_entropy)
-    return outputs, State(plan, config, targets, saved, with_entropy, inv_tau)
+    # The state keeps every buffer its pointers point into.
+    return outputs, State(plan, config, targets, saved, with_entropy, inv_tau, (keep, ids))
 
 
 def _assemble(plan, pieces, n_out):
@@ -304,7 +326,7 @@ def backward(state: State, d_log_prob, d_entropy, entropy_grad: bool) -> torch.T
     device = plan.logits.device
     has_d_entropy = d_entropy is not None and state.with_entropy and entropy_grad
     dtype = _JAX_DTYPES[plan.logits.dtype]
-    grads = [g.float() for g in (d_log_prob, d_entropy if has_d_entropy else None)
+    grads = [g.float().contiguous() for g in (d_log_prob, d_entropy if has_d_entropy else None)
              if g is not None]
     grad = torch.empty_like(plan.logits)
     placeholder = _placeholders.get(device.index)
@@ -313,22 +335,18 @@ def backward(state: State, d_log_prob, d_entropy, entropy_grad: bool) -> torch.T
                                                                 device=device)
     keep = []  # temporaries live until the fence at the end (see _OnDefaultStream)
     with _OnDefaultStream(device.index):
-        for w, t, saved in zip(plan.windows, state.targets, state.saved):
+        for w, t_ptr, saved_ptrs in zip(plan.windows, state.targets, state.saved):
             kernel = _backward_kernel(w.size, plan.num_vocab, dtype, masked,
                                       state.with_entropy, entropy_grad,
                                       d_log_prob is not None, has_d_entropy, state.inv_tau,
                                       state.config)
-            pointers, structs = _big_operands(plan, w, dtype)
-            grad_rows = plan.rows(grad, w)
-            d_rows = [small(plan.rows(g, w), plan.dev) for g in grads]
-            keep.append(d_rows)
-            pointers += ([t.data_ptr()] + [saved[k].data_ptr() for k in range(len(saved))]
-                         + [d.data_ptr() for d in d_rows]
-                         + [grad_rows.data_ptr(), placeholder.data_ptr()])
-            structs += ([_struct(t.shape, "int32")]
-                        + [_struct(saved.shape[1:], "float32")] * len(saved)
-                        + [_struct(d.shape, "float32") for d in d_rows]
-                        + [_struct(grad_rows.shape, dtype)])
+            pointers, structs = _big_operands(plan, w, dtype, keep)
+            d_ptrs = [_rows_ptr(g, w, keep) for g in grads]
+            padded = -(-w.size // 64) * 64
+            pointers += ([t_ptr] + saved_ptrs + d_ptrs
+                         + [_rows_ptr(grad, w, keep), placeholder.data_ptr()])
+            structs += ([_vector(w.size, "int32")] + [_vector(padded)] * len(saved_ptrs)
+                        + [_vector(w.size)] * len(d_ptrs) + [(w.size, plan.num_vocab, dtype)])
             _launcher(kernel, structs, device)(pointers)
     del keep
     return grad

@@ -71,9 +71,10 @@ def small(t: torch.Tensor, dev) -> torch.Tensor:
 
 
 def _raw_targets(targets: torch.Tensor, dev) -> tuple[torch.Tensor, str, int]:
-    """(targets as int32 words, decode mode, words per token)."""
+    """(targets as int32 words, decode mode, words per token). A strided view of int64
+    ids is copied first (O(T)): the int32 view of its words needs unit stride."""
     if targets.dtype == torch.int64 and _LITTLE_ENDIAN:
-        return targets.detach().view(torch.int32), "i64", 2
+        return targets.detach().contiguous().view(torch.int32), "i64", 2
     if targets.dtype != torch.int32:
         targets = targets.to(torch.int32)
     return targets.detach(), "i32", 1

@@ -174,6 +174,17 @@ def test_target_dtypes(dtype):
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
 
 
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+def test_strided_targets(dtype):
+    """A strided view of the ids (e.g. every other position) works without the caller
+    copying it (int64 ids were viewed as int32 words, which needs unit stride)."""
+    x, y, _ = _inputs()
+    both = torch.stack([y, torch.zeros_like(y)], dim=1).reshape(-1).to(dtype)
+    want = bridge.logprob_entropy(x, y)
+    got = bridge.logprob_entropy(x, both[::2])
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+
+
 def test_int64_targets_outside_int32_give_nan_not_wrapped_ids():
     """Unchecked int64 ids are decoded inside jit: 2**32 + 3 must not read as 3."""
     x, y, _ = _inputs(T=6)

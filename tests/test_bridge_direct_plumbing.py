@@ -1,18 +1,27 @@
-"""The direct route's plumbing on CPU (`bridge/_direct.py`): every launch hands over as
-many buffers as its kernel declares, with the shapes and dtypes the kernel is traced
-for, in every configuration (mask, entropy, flags, several row windows, the target
-gathered by torch or found in the kernel). The launches themselves need a Hopper GPU
-(tests/test_bridge_direct.py); here a fake launcher traces each kernel instead."""
+"""The direct route's plumbing on CPU (`bridge/_direct.py`). The launches need a Hopper
+GPU (tests/test_bridge_direct.py); here fake launchers stand in:
+- one traces each kernel: every launch hands over as many 16-byte-aligned buffers as
+  its kernel declares, with the shapes and dtypes it is traced for, in every
+  configuration (mask, entropy, flags, several row windows, the target gathered by
+  torch or found in the kernel);
+- one runs each kernel in Mosaic GPU's interpret mode on the memory at the given
+  addresses: the route end to end through `bridge.logprob_entropy` against float64,
+  which fails if an offset or a window is wrong (checked by breaking them)."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 import torch
 
+import bridge
 from bridge import _direct, _run
+from jaxops.pallas_config import MosaicConfig
 
 pytest.importorskip("jaxops.mosaic_direct")
 
@@ -21,13 +30,14 @@ pytest.importorskip("jaxops.mosaic_direct")
 def launches(monkeypatch):
     seen = []
 
-    def fake_launcher(kernel, structs, device):
+    def fake_launcher(kernel, operands, device):
+        structs = [_direct._struct(op[:-1], op[-1]) for op in operands]
         out_info = jax.jit(kernel).trace(*structs).out_info  # raises on a wrong operand
         num_outputs = len(out_info) if isinstance(out_info, (list, tuple)) else 1
 
         def launch(pointers):
             assert len(pointers) == len(structs) + num_outputs, (len(pointers), structs)
-            assert all(isinstance(p, int) and p for p in pointers)
+            assert all(isinstance(p, int) and p % 16 == 0 for p in pointers), pointers
             seen.append(len(structs))
         return launch
 
@@ -59,3 +69,120 @@ def test_every_launch_matches_its_kernel(masked, with_entropy, entropy_grad, num
             continue
         grad = _direct.backward(state, d_lp, d_h, entropy_grad)
         assert grad.shape == x.shape and grad.dtype == x.dtype
+
+
+def test_strided_targets_and_broadcast_cotangents(launches):
+    """Targets that are a strided view and cotangents that are one expanded scalar (what
+    `loss.sum()` hands back) reach the kernels as contiguous, aligned vectors."""
+    T, V = 37, 1024
+    x = torch.randn(T, V)
+    y = torch.randint(0, V, (2 * T,))[::2]
+    plan = _run.Plan(x, y, None, "pallas_mosaic")
+    _, state = _direct.forward(plan, 1.0, True)
+    ones = torch.ones(1).expand(T)
+    grad = _direct.backward(state, ones, ones, True)
+    assert grad.shape == x.shape and len(launches) == 3 * len(plan.windows)
+
+
+# --- end to end on CPU: the launches run the kernels in interpret mode -------------------
+
+def _array_at(pointer, shape, dtype):
+    """The numpy array that lives at `pointer` (a CPU torch tensor's memory)."""
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape)) * dtype.itemsize
+    raw = (ctypes.c_char * size).from_address(pointer)
+    return np.frombuffer(raw, dtype=np.uint8).view(dtype).reshape(shape)
+
+
+@pytest.fixture
+def interpreted(monkeypatch):
+    """Launches that run each kernel in Mosaic GPU's interpret mode on the buffers at
+    the given addresses: the direct route end to end on CPU, pointers and all. The
+    backward kernel stores through an input on the GPU; here its JAX form (`into=False`)
+    runs and its result is copied to the gradient's address."""
+    from jaxops import mosaic_direct as md
+
+    def backward_kernel(*args):
+        return ("backward", args)
+
+    def fake_launcher(kernel, operands, device):
+        shapes = [(op[:-1], jnp.dtype(op[-1])) for op in operands]
+
+        def launch(pointers):
+            inputs = [jnp.asarray(_array_at(p, s, d)) for p, (s, d) in zip(pointers, shapes)]
+            if isinstance(kernel, tuple):  # the backward: grad is the last input
+                (num_tokens, num_vocab, dtype, masked, with_entropy, entropy_grad,
+                 has_d_log_prob, has_d_entropy, inv_tau, config) = kernel[1]
+                fn = md.backward_kernel(
+                    num_tokens, num_vocab, dtype, masked=masked, with_entropy=with_entropy,
+                    entropy_grad=entropy_grad, has_d_log_prob=has_d_log_prob,
+                    has_d_entropy=has_d_entropy, inv_tau=inv_tau, config=config, into=False)
+                grad = np.asarray(fn(*inputs[:-1]))[:num_tokens, :num_vocab]
+                _array_at(pointers[len(shapes) - 1], *shapes[-1])[...] = grad
+                return
+            outs = kernel(*inputs)
+            outs = outs if isinstance(outs, (list, tuple)) else [outs]
+            for p, out in zip(pointers[len(shapes):], outs):
+                out = np.asarray(out)
+                _array_at(p, out.shape, out.dtype)[...] = out
+        return launch
+
+    monkeypatch.setattr(_direct, "_launcher", fake_launcher)
+    monkeypatch.setattr(_direct, "_backward_kernel", backward_kernel)
+    monkeypatch.setattr(_direct, "_OnDefaultStream", lambda index: contextlib.nullcontext())
+    monkeypatch.setattr(_direct, "applies", lambda plan, world, want_stats: (
+        world == 1 and not want_stats and plan.implementation == "pallas_mosaic"))
+
+
+@pytest.mark.parametrize("num_tokens, masked, gather_from", [
+    (70, True, 2**62), (70, False, 0), (300, True, 2**16), (5, False, 2**62)])
+def test_direct_route_end_to_end_in_interpret_mode(num_tokens, masked, gather_from,
+                                                   interpreted, monkeypatch):
+    """Through `bridge.logprob_entropy` (eager autograd) against the float64 reference:
+    every pointer, offset and window of the route, with the kernels interpreted."""
+    monkeypatch.setattr(_direct, "GATHER_TARGET_FROM", gather_from)
+    monkeypatch.setattr(_run.Plan, "__init__", _cuda_like_plan(_run.Plan.__init__))
+    # Several vocabulary chunks at V = 640 (five 128-column tiles): the partials' offsets.
+    monkeypatch.setattr(_direct, "_config", lambda plan: MosaicConfig(interpret=True,
+                                                                      chunk_v=384))
+    import _bridge_scenarios as S
+
+    V, tau = 640, 0.8
+    gen = torch.Generator().manual_seed(num_tokens)
+    x = (torch.randn(num_tokens, V, generator=gen) * 3).requires_grad_()
+    y = torch.randint(0, V, (num_tokens,), generator=gen)
+    mask = torch.rand(num_tokens, V, generator=gen) < 0.2 if masked else None
+    g_lp, g_h = torch.randn(num_tokens, generator=gen), torch.randn(num_tokens, generator=gen)
+    calls = []
+    forward = _direct.forward
+    monkeypatch.setattr(_direct, "forward", lambda *a: calls.append(1) or forward(*a))
+    lp, h = bridge.logprob_entropy(x, y, keep_mask=mask, temperature=tau,
+                                   implementation="pallas_mosaic")
+    (grad,) = torch.autograd.grad([lp, h], x, [g_lp, g_h])
+    assert calls, "the direct route was not taken"
+    xr = x.detach().double().requires_grad_()
+    lp_r, h_r = S.reference(xr, y, mask, tau)
+    (g_r,) = torch.autograd.grad([lp_r, h_r], xr, [g_lp.double(), g_h.double()])
+    scale = max(1.0, float(x.detach().abs().max()) / tau)
+    assert float((lp.double() - lp_r).abs().max()) <= 1e-5 * scale
+    assert float((h.double() - h_r).abs().max()) <= 1e-5 * scale
+    assert S.rel_err(grad, g_r) <= S.grad_tol("float32")
+
+
+def _cuda_like_plan(init):
+    """Plan.__init__ that resolves "pallas_mosaic" in interpret mode on CPU, as on CUDA
+    (where the direct route is taken) -- `_run.forward` asks `plan.dev.cuda` first."""
+    def patched(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        object.__setattr__(self, "dev", _CudaFlag(self.dev))
+    return patched
+
+
+class _CudaFlag:
+    """The CPU device record with `cuda` reading True (only `_run.forward`'s gate asks)."""
+
+    def __init__(self, dev):
+        self._dev = dev
+
+    def __getattr__(self, name):
+        return True if name == "cuda" else getattr(self._dev, name)

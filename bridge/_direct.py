@@ -40,7 +40,6 @@ import threading
 
 import torch
 
-from bridge._run import small
 from jaxops.pallas_config import MosaicConfig
 
 _LAUNCHERS: dict = {}  # kernel -> _Launcher
@@ -265,8 +264,7 @@ def forward(plan, inv_tau: float, with_entropy: bool):
     gathers = [w.size * plan.num_vocab >= GATHER_TARGET_FROM for w in plan.windows]
     extra = []  # [T] float32: the target's raw logit (and mask bit), gathered by torch
     if any(gathers):
-        index = (plan.raw_targets.view(torch.int64) if plan.target_mode == "i64"
-                 else ids.long()).clamp(0, plan.num_vocab - 1).unsqueeze(1)
+        index = ids.long().clamp(0, plan.num_vocab - 1).unsqueeze(1)  # valid rows: the id
         extra.append(plan.logits.gather(1, index).view(-1).float())
         if masked:
             extra.append(plan.mask.gather(1, index).view(-1).float())

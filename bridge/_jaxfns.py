@@ -24,6 +24,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from bridge import _direct
 from jaxops import staged
 
 
@@ -53,8 +54,6 @@ def _cached(make):
 def compiled_programs() -> int:
     """How many programs JAX has compiled for the bridge so far (all configurations),
     the direct route's kernels included."""
-    from bridge import _direct
-
     return sum(fn._cache_size() for fn in _JITTED) + _direct.compiled_launchers()
 
 

@@ -25,7 +25,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from bridge import _dlpack, _jaxfns
+from bridge import _direct, _dlpack, _jaxfns
 from bridge._windows import row_align, row_windows
 from jaxops import implementations, staged
 from jaxops.pallas_config import PallasConfig
@@ -187,12 +187,9 @@ def forward(plan: Plan, inv_tau, with_entropy, group_name, rank, world, *,
             want_stats: bool):
     """-> (outputs [n_out, T] float32 torch, stats [R, K, T] torch or None, state for
     `backward`). CUDA + "pallas_mosaic" + one shard takes the direct route (`_direct.py`)."""
-    if plan.dev.cuda and world == 1 and not want_stats:
-        from bridge import _direct
-
-        if _direct.applies(plan, world, want_stats):
-            outputs, state = _direct.forward(plan, inv_tau, with_entropy)
-            return outputs, None, state
+    if _direct.applies(plan, world, want_stats):
+        outputs, state = _direct.forward(plan, inv_tau, with_entropy)
+        return outputs, None, state
     masked = plan.mask is not None
     fn = _jaxfns.local_forward(
         shard_index=rank, world=world, inv_tau=inv_tau, with_entropy=with_entropy,
@@ -236,9 +233,7 @@ def backward(plan: Plan, state: ForwardState | None, stats, d_log_prob, d_entrop
 
     `state`: the eager forward's JAX views, or None (the custom-op route: the inputs
     and the gathered `stats [R, K, T]` are imported again), or the direct route's."""
-    if state is not None and not isinstance(state, ForwardState):
-        from bridge import _direct
-
+    if isinstance(state, _direct.State):
         return _direct.backward(state, d_log_prob, d_entropy, entropy_grad)
     dev = plan.dev
     grads = [g for g in (d_log_prob, d_entropy) if g is not None]

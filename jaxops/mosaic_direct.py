@@ -1,8 +1,8 @@
 """Mosaic GPU kernels that carry a row's whole computation, for launching without XLA.
 
 The bridge's *direct route* (`bridge/_direct.py`) launches these kernels on torch's
-stream through `plgpu.as_torch_kernel`, with torch-allocated buffers and no JAX
-runtime in between (issue 12 item 4: the JAX runtime's dispatch, imports and exports
+default stream (with a launcher built from `plgpu.as_torch_kernel`'s pieces), with
+torch-allocated buffers and no JAX runtime in between (issue 12 item 4: the JAX runtime's dispatch, imports and exports
 cost more host time per call than the whole torch-only floor). A launcher accepts
 only a function made of one Mosaic GPU kernel, so everything the JAX route does
 around `pallas_mosaic`'s kernels in XLA happens inside kernels here:
@@ -10,6 +10,8 @@ around `pallas_mosaic`'s kernels in XLA happens inside kernels here:
     forward   partials  = `pallas_mosaic._forward_kernel(with_target=True)`:
                           per vocabulary chunk: max, sum[, shifted][, kept max, kept
                           sum], the target's raw logit[, its mask bit]      [C, padded]
+                          (or, `gathered_target`, without the target's: the caller
+                          gathers them and hands them to finish)
               finish    = one CTA per 64 rows: fold the chunks in index order (as
                           `pallas_mosaic._combine`), then the combine of one shard
                           (`combine.combine` at R = 1): log_prob, entropy, and the
@@ -94,7 +96,7 @@ def _interpret(config):
 
 def partials_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_tau,
                     gathered_target: bool = False, config: MosaicConfig | None = None):
-    """fn(logits [b, V], (mask uint8 [b, V]), targets int32 [b]) -> partials, each
+    """fn(logits [b, V], (mask uint8 [b, V]), (targets int32 [b])) -> partials, each
     float32 [C, padded] (`pallas_mosaic.num_partials` of them).
 
     gathered_target: the caller gathers the target's logit (and mask bit) itself and
@@ -102,10 +104,10 @@ def partials_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_t
     target test (which costs ~20% of an instruction-bound kernel at large T * V)."""
     with_target = not gathered_target
     itemsize = jnp.dtype(dtype).itemsize
+    sizes = layout(num_tokens, num_vocab, dtype, masked=masked, with_entropy=with_entropy,
+                   gathered_target=gathered_target, config=config)
+    chunks, padded, num_out = sizes["chunks"], sizes["padded"], sizes["num_partials"]
     config, _ = _configs(itemsize, masked, config)
-    _, chunks, _ = pm._chunking(num_vocab, config.block_v, config.chunk_v)
-    padded = pl.cdiv(num_tokens, _ROWS) * _ROWS
-    num_out = pm.num_partials(with_entropy, masked, with_target=with_target)
     return plgpu.kernel(
         functools.partial(pm._forward_kernel, num_vocab=num_vocab, inv_tau=float(inv_tau),
                           with_entropy=with_entropy, masked=masked, config=config,
@@ -229,13 +231,12 @@ def finish_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_tau
     """fn(*partials, targets int32 [b][, target logit f32 [b][, its mask bit f32 [b]]])
     -> (log_prob, [entropy], *saved), float32 [padded]. The bracketed inputs with
     `gathered_target` (the target's raw logit, and 1.0 where its mask bit is set)."""
-    itemsize = jnp.dtype(dtype).itemsize
-    config, _ = _configs(itemsize, masked, config)
-    _, chunks, _ = pm._chunking(num_vocab, config.block_v, config.chunk_v)
-    padded = pl.cdiv(num_tokens, _ROWS) * _ROWS
-    num_parts = pm.num_partials(with_entropy, masked, with_target=not gathered_target)
+    sizes = layout(num_tokens, num_vocab, dtype, masked=masked, with_entropy=with_entropy,
+                   gathered_target=gathered_target, config=config)
+    chunks, padded = sizes["chunks"], sizes["padded"]
+    num_parts, num_out = sizes["num_partials"], sizes["num_finish"]
     num_gathered = gathered_target * (1 + masked)
-    num_out = 1 + with_entropy + len(saved_names(with_entropy, masked))
+    config, _ = _configs(jnp.dtype(dtype).itemsize, masked, config)
     vector = jax.ShapeDtypeStruct((padded,), jnp.float32)
     return plgpu.kernel(
         functools.partial(_finish_kernel, chunks=chunks, num_vocab=num_vocab,
@@ -275,14 +276,12 @@ def _coefficient_prologue(refs, rows, *, names, has_d_log_prob, has_d_entropy, e
     d_log_prob = values.pop(0) if has_d_log_prob else None
     d_entropy = values.pop(0) if has_d_entropy else None
 
-    coef_sum = 0.0
+    zero = pm._row_vector(0.0, jnp.float32, config)
+    coef_sum = zero
     if d_log_prob is not None and not masked:
         coef_sum = d_log_prob * saved["alpha"]
     if entropy:
         coef_sum = coef_sum + d_entropy * saved["beta"]
-    if isinstance(coef_sum, float):
-        coef_sum = pm._row_vector(0.0, jnp.float32, config)
-    zero = pm._row_vector(0.0, jnp.float32, config)
     vectors = [saved["neg_ref"], coef_sum * inv_tau]
     if entropy:
         vectors.append(d_entropy * saved["gamma"] * (inv_tau * pm._LN2))

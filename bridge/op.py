@@ -243,6 +243,34 @@ logprob_entropy_fwd.register_autograd(_op_backward, setup_context=_setup_context
 # route 2: eager autograd.Function (same implementation, fewer dispatch layers)
 # ---------------------------------------------------------------------------
 
+def _eager_backward(ctx, d_log_prob, d_entropy):
+    logits, _, _ = ctx.saved_tensors  # (raises if an input changed in place)
+    inv_tau, with_entropy, entropy_grad, rank = ctx.params
+    nones = (None,) * 3
+    if not (with_entropy and entropy_grad):
+        d_entropy = None
+    if d_log_prob is None and d_entropy is None:
+        return (None,) + nones
+    if ctx.state is None:
+        return (torch.zeros_like(logits),) + nones
+    state = ctx.state
+    return (_run.backward(state.plan, state, None, d_log_prob, d_entropy, inv_tau,
+                          with_entropy, entropy_grad, rank),) + nones
+
+
+def _no_second_derivative(grad: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    """With create_graph=True: the gradient, behind a node that raises if it is itself
+    differentiated. The kernels have no derivative of their own, and a gradient that
+    looked constant would drop a second-order term without a word (the custom-op route
+    raises the same way). `once_differentiable` does this only when the incoming
+    gradients require grad, which those of a plain loss do not; here the node also
+    hangs on the logits, so any path from the gradient back to them runs into it."""
+    error = torch._C._functions.DelayedError(
+        b"bridge.logprob_entropy has no second derivative: its gradient cannot be "
+        b"differentiated again (create_graph=True)", 2)
+    return error(grad.detach(), logits)[0]
+
+
 class _EagerFunction(torch.autograd.Function):
     """The eager route. Besides skipping the custom-op dispatch layers it keeps the JAX
     views made in the forward (logits, targets, mask, statistics per row window) for the
@@ -250,12 +278,16 @@ class _EagerFunction(torch.autograd.Function):
     The torch inputs are saved too, so autograd still detects in-place changes between
     forward and backward.
 
-    forward(ctx, ...) rather than a separate setup_context: with the latter,
-    Function.apply binds the arguments through inspect.signature on every call."""
+    Host time per call counts here (tens of µs per call at small T): the non-tensor
+    arguments travel as one tuple, `forward(ctx, ...)` rather than a separate
+    setup_context (with which Function.apply binds the arguments through
+    inspect.signature on every call), and the guard against double backward is set
+    up only when the backward itself is being differentiated (create_graph=True)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, keep_mask, inv_tau, with_entropy, entropy_grad,
-                implementation, group_name, rank, world, check_every_call):
+    def forward(ctx, logits, targets, keep_mask, call):
+        (inv_tau, with_entropy, entropy_grad, implementation, group_name, rank, world,
+         check_every_call) = call
         ctx.set_materialize_grads(False)
         ctx.params = (inv_tau, with_entropy, entropy_grad, rank)
         ctx.save_for_backward(logits, targets, keep_mask)
@@ -272,20 +304,14 @@ class _EagerFunction(torch.autograd.Function):
         return lp, ent
 
     @staticmethod
-    @torch.autograd.function.once_differentiable  # no double backward (nor on the op route)
     def backward(ctx, d_log_prob, d_entropy):
-        logits, _, _ = ctx.saved_tensors  # (raises if an input changed in place)
-        inv_tau, with_entropy, entropy_grad, rank = ctx.params
-        nones = (None,) * 10
-        if not (with_entropy and entropy_grad):
-            d_entropy = None
-        if d_log_prob is None and d_entropy is None:
-            return (None,) + nones
-        if ctx.state is None:
-            return (torch.zeros_like(logits),) + nones
-        state = ctx.state
-        return (_run.backward(state.plan, state, None, d_log_prob, d_entropy, inv_tau,
-                              with_entropy, entropy_grad, rank),) + nones
+        if not torch.is_grad_enabled():
+            return _eager_backward(ctx, d_log_prob, d_entropy)
+        with torch.no_grad():  # create_graph=True
+            grad, *nones = _eager_backward(ctx, d_log_prob, d_entropy)
+        if grad is not None:
+            grad = _no_second_derivative(grad, ctx.saved_tensors[0])
+        return (grad, *nones)
 
 
 # ---------------------------------------------------------------------------
@@ -349,9 +375,11 @@ def logprob_entropy(
     check_targets = check_targets and not compiling
     if check_targets:
         _checks.check_targets(targets, world * logits.shape[1])
-    args = (logits, targets, keep_mask, inv_tau, with_entropy, entropy_grad,
-            implementation, group_name, rank, world)
     if compiling or USE_CUSTOM_OP_IN_EAGER:
-        log_prob, entropy, _ = logprob_entropy_fwd(*args)
+        log_prob, entropy, _ = logprob_entropy_fwd(
+            logits, targets, keep_mask, inv_tau, with_entropy, entropy_grad,
+            implementation, group_name, rank, world)
         return log_prob, (entropy if with_entropy else None)
-    return _EagerFunction.apply(*args, check_targets)
+    return _EagerFunction.apply(logits, targets, keep_mask, (
+        inv_tau, with_entropy, entropy_grad, implementation, group_name, rank, world,
+        check_targets))

@@ -372,6 +372,23 @@ def test_custom_op_route_matches_eager_route(monkeypatch):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("use_custom_op", [False, True], ids=["eager", "custom_op"])
+def test_no_double_backward(use_custom_op, monkeypatch):
+    """The gradient is exact but not itself differentiable: with create_graph=True a
+    second backward through it raises instead of returning a silent zero."""
+    monkeypatch.setattr(op, "USE_CUSTOM_OP_IN_EAGER", use_custom_op)
+    x, y, _ = _inputs()
+    lp, h = bridge.logprob_entropy(x, y)
+    (g,) = torch.autograd.grad(lp.sum() + h.sum(), x)
+    assert not g.requires_grad
+    lp, h = bridge.logprob_entropy(x, y)
+    (g2,) = torch.autograd.grad(lp.sum() + h.sum(), x, create_graph=True)
+    assert torch.equal(g, g2)
+    # Beside a differentiable term, a constant g2 would drop its part without a word.
+    with pytest.raises(RuntimeError, match="no second derivative|no autograd formula"):
+        torch.autograd.grad(g2.square().sum() + x.sum(), x)
+
+
 def test_no_grad_and_detached_inputs():
     x, y, _ = _inputs()
     with torch.no_grad():

@@ -8,7 +8,8 @@ tensors and launch on torch's default CUDA stream; every buffer comes from torch
 caching allocator:
 
     forward   per window: partials kernel -> finish kernel -> log_prob, entropy,
-              saved multipliers (O(T), kept for the backward)
+              saved multipliers (O(T), kept for the backward); one kernel doing
+              both where the vocabulary is one chunk (V_loc up to ~4-6K)
     backward  torch allocates d logits; per window one kernel stores its rows into it
 
 Taken when (`applies`): CUDA, implementation "pallas_mosaic", one vocabulary shard
@@ -42,12 +43,12 @@ import torch
 
 from jaxops.pallas_config import MosaicConfig
 
-_LAUNCHERS: dict = {}  # kernel -> _Launcher
+_LAUNCHERS: dict = {}  # (kernel, device index) -> _Launcher
 _thread = threading.local()
 
 
 def compiled_launchers() -> int:
-    """Kernels compiled for the direct route so far (one per kernel and window size)."""
+    """Kernels compiled for the direct route so far (one per kernel, window size and device)."""
     return len(_LAUNCHERS)
 
 
@@ -81,9 +82,9 @@ def applies(plan, world: int, want_stats: bool) -> bool:
 
 
 class _Launcher:
-    """One kernel compiled for operands of fixed shapes; `launcher(pointers)` launches
-    it on torch's default stream with the buffers at these addresses (inputs, then
-    outputs, as the kernel declares them)."""
+    """One kernel compiled for operands of fixed shapes on one device; `launcher(pointers)`
+    launches it on that device's default torch stream with the buffers at these
+    addresses (inputs, then outputs, as the kernel declares them)."""
 
     def __init__(self, kernel, structs, device):
         import jax
@@ -102,13 +103,24 @@ class _Launcher:
             call = mgpu_torch._find_mgpu_call_in_module(module)[0]
         if len(call.operands) != len(structs):
             raise RuntimeError("the kernel module has operands besides the kernel's own")
-        self.num_buffers = len(structs) + len(call.results)
+        self._pointers = ctypes.c_void_p * (len(structs) + len(call.results))
         asm = call.attributes["mhlo.backend_config"]["module"].value_bytes
-        self._launch, self._unload = mgpu_core._compile_as_torch_gpu_kernel(asm)
-        self._device = device
+        launch, self._unload = mgpu_core._compile_as_torch_gpu_kernel(asm)
+        # The wrapper looks up torch's default stream on every launch (~2 µs of host
+        # time, and ~5 µs with its closure); the stream of a device never changes, so
+        # the compiled launch function is called directly where the wrapper's closure
+        # exposes it, else through the wrapper.
+        cells = dict(zip(launch.__code__.co_freevars,
+                         (c.cell_contents for c in launch.__closure__ or ())))
+        stream = torch.cuda.default_stream(device)._as_parameter_
+        launch_c, function = cells.get("launch_c"), cells.get("function")
+        if callable(launch_c) and function is not None:
+            self._call = functools.partial(launch_c, function, stream)
+        else:
+            self._call = lambda arr: launch(arr, device)
 
     def __call__(self, pointers):
-        self._launch((ctypes.c_void_p * self.num_buffers)(*pointers), self._device)
+        self._call(self._pointers(*pointers))
 
 
 def _bind_primary_context(device_index: int) -> None:
@@ -135,24 +147,54 @@ def _launcher(kernel, operands, device):
     """The launcher of `kernel`, compiled on first use for `operands`: (*shape, dtype)
     tuples (ShapeDtypeStructs are made only then: they cost microseconds each)."""
     _bind_primary_context(device.index)  # compiling and launching both need it
-    launcher = _LAUNCHERS.get(kernel)
+    key = (kernel, device.index)  # a compiled module belongs to one device's context
+    launcher = _LAUNCHERS.get(key)
     if launcher is None:
         structs = [_struct(op[:-1], op[-1]) for op in operands]
-        launcher = _LAUNCHERS[kernel] = _Launcher(kernel, structs, device)
+        launcher = _LAUNCHERS[key] = _Launcher(kernel, structs, device)
     return launcher
 
 
-@functools.lru_cache(maxsize=None)
-def _forward_kernels(num_tokens, num_vocab, dtype, masked, with_entropy, inv_tau, config,
-                     gathered_target):
-    from jaxops import mosaic_direct as md
+class _WindowForward:
+    """One window size's forward: its kernels, their operands, and the layout of the
+    one float32 buffer they write -- the finish outputs (rows of `padded`), then the
+    partials (`chunks` rows each). A vocabulary of one chunk whose target is found in
+    the kernel takes one kernel (`mosaic_direct.forward_kernel`) and no partials. Made
+    once per configuration (`_window_forward`), so a call only adds addresses."""
 
-    common = dict(masked=masked, with_entropy=with_entropy, inv_tau=inv_tau, config=config,
-                  gathered_target=gathered_target)
-    return (md.partials_kernel(num_tokens, num_vocab, dtype, **common),
-            md.finish_kernel(num_tokens, num_vocab, dtype, **common),
-            md.layout(num_tokens, num_vocab, dtype, masked=masked, with_entropy=with_entropy,
-                      gathered_target=gathered_target, config=config))
+    def __init__(self, size, num_vocab, dtype, masked, with_entropy, inv_tau, config,
+                 gathered):
+        from jaxops import mosaic_direct as md
+
+        sizes = md.layout(size, num_vocab, dtype, masked=masked, with_entropy=with_entropy,
+                          gathered_target=gathered, config=config)
+        chunks, padded = sizes["chunks"], sizes["padded"]
+        num_outs = sizes["num_finish"]
+        big = [(size, num_vocab, dtype)] + [(size, num_vocab, "uint8")] * masked  # bool
+        common = dict(masked=masked, with_entropy=with_entropy, inv_tau=inv_tau,
+                      config=config)
+        self.out_offsets = [k * padded * 4 for k in range(num_outs)]
+        self.single = not gathered and md.one_pass(num_vocab, dtype, masked, config)
+        if self.single:
+            self.kernel = md.forward_kernel(size, num_vocab, dtype, **common)
+            self.operands = big + [(size, "int32")]
+            self.buffer_shape = (num_outs, padded)
+            return
+        num_parts = sizes["num_partials"]
+        self.partials = md.partials_kernel(size, num_vocab, dtype, gathered_target=gathered,
+                                           **common)
+        self.finish = md.finish_kernel(size, num_vocab, dtype, gathered_target=gathered,
+                                       **common)
+        self.buffer_shape = (num_outs + num_parts * chunks, padded)
+        self.part_offsets = [(num_outs + k * chunks) * padded * 4 for k in range(num_parts)]
+        self.partials_operands = big + [(size, "int32")] * (not gathered)
+        self.finish_operands = ([(chunks, padded, "float32")] * num_parts + [(size, "int32")]
+                                + [(size, "float32")] * (gathered * (1 + masked)))
+
+
+@functools.lru_cache(maxsize=None)
+def _window_forward(*key) -> _WindowForward:
+    return _WindowForward(*key)
 
 
 @functools.lru_cache(maxsize=None)
@@ -164,6 +206,14 @@ def _backward_kernel(num_tokens, num_vocab, dtype, masked, with_entropy, entropy
                               with_entropy=with_entropy, entropy_grad=entropy_grad,
                               has_d_log_prob=has_d_log_prob, has_d_entropy=has_d_entropy,
                               inv_tau=inv_tau, config=config, into=True)
+
+
+@functools.lru_cache(maxsize=None)
+def _backward_operands(size, num_vocab, dtype, masked, num_saved, num_cotangents) -> list:
+    padded = -(-size // 64) * 64
+    return ([(size, num_vocab, dtype)] + [(size, num_vocab, "uint8")] * masked
+            + [(size, "int32")] + [(padded, "float32")] * num_saved
+            + [(size, "float32")] * num_cotangents + [(size, num_vocab, dtype)])
 
 
 def _struct(shape, dtype):
@@ -239,18 +289,12 @@ def _rows_ptr(t: torch.Tensor, w, keep: list) -> int:
     return ptr
 
 
-def _big_operands(plan, w, dtype, keep):
-    """(pointers, structs) of window w's [b, V] operands: logits (and mask as bytes)."""
+def _big_pointers(plan, w, keep) -> list:
+    """Addresses of window w's [b, V] operands: logits (and the mask, bool as bytes)."""
     pointers = [_rows_ptr(plan.logits, w, keep)]
-    structs = [(w.size, plan.num_vocab, dtype)]
     if plan.mask is not None:
-        pointers.append(_rows_ptr(plan.mask, w, keep))  # bool is one byte
-        structs.append((w.size, plan.num_vocab, "uint8"))
-    return pointers, structs
-
-
-def _vector(size, dtype="float32"):
-    return (size, dtype)
+        pointers.append(_rows_ptr(plan.mask, w, keep))
+    return pointers
 
 
 def forward(plan, inv_tau: float, with_entropy: bool):
@@ -272,31 +316,28 @@ def forward(plan, inv_tau: float, with_entropy: bool):
     keep = []  # temporaries live until the fence at the end (see _OnDefaultStream)
     with _OnDefaultStream(device.index):
         for w, gathered in zip(plan.windows, gathers):
-            partials, finish, sizes = _forward_kernels(
-                w.size, plan.num_vocab, dtype, masked, with_entropy, inv_tau, config,
-                gathered)
-            chunks, padded = sizes["chunks"], sizes["padded"]
-            num_parts, num_outs = sizes["num_partials"], sizes["num_finish"]
-            parts = torch.empty((num_parts, chunks, padded), dtype=torch.float32,
-                                device=device)
-            outs = torch.empty((num_outs, padded), dtype=torch.float32, device=device)
-            keep.append(parts)
-            part_ptrs = [parts.data_ptr() + k * chunks * padded * 4 for k in range(num_parts)]
-            out_ptrs = [outs.data_ptr() + k * padded * 4 for k in range(num_outs)]
+            kernels = _window_forward(w.size, plan.num_vocab, dtype, masked, with_entropy,
+                                      inv_tau, config, gathered)
+            buffer = torch.empty(kernels.buffer_shape, dtype=torch.float32, device=device)
+            keep.append(buffer)
+            base = buffer.data_ptr()
+            out_ptrs = [base + offset for offset in kernels.out_offsets]
             t_ptr = _rows_ptr(ids, w, keep)
-            pointers, structs = _big_operands(plan, w, dtype, keep)
+            pointers = _big_pointers(plan, w, keep)
             if not gathered:
                 pointers.append(t_ptr)
-                structs.append(_vector(w.size, "int32"))
-            _launcher(partials, structs, device)(pointers + part_ptrs)
-            extra_ptrs = [_rows_ptr(e, w, keep) for e in extra] if gathered else []
-            _launcher(finish, [(chunks, padded, "float32")] * num_parts
-                      + [_vector(w.size, "int32")] + [_vector(w.size)] * len(extra_ptrs),
-                      device)(part_ptrs + [t_ptr] + extra_ptrs + out_ptrs)
-            pieces.append(outs[:1 + with_entropy])
+            if kernels.single:
+                _launcher(kernels.kernel, kernels.operands, device)(pointers + out_ptrs)
+            else:
+                part_ptrs = [base + offset for offset in kernels.part_offsets]
+                _launcher(kernels.partials, kernels.partials_operands, device)(
+                    pointers + part_ptrs)
+                extra_ptrs = [_rows_ptr(e, w, keep) for e in extra] if gathered else []
+                _launcher(kernels.finish, kernels.finish_operands, device)(
+                    part_ptrs + [t_ptr] + extra_ptrs + out_ptrs)
+            pieces.append(buffer[:1 + with_entropy])
             saved.append(out_ptrs[1 + with_entropy:])
             targets.append(t_ptr)
-            keep.append(outs)
     outputs = _assemble(plan, pieces, 1 + with_entropy)
     # The state keeps every buffer its pointers point into.
     return outputs, State(plan, config, targets, saved, with_entropy, inv_tau, (keep, ids))
@@ -338,13 +379,11 @@ def backward(state: State, d_log_prob, d_entropy, entropy_grad: bool) -> torch.T
                                       state.with_entropy, entropy_grad,
                                       d_log_prob is not None, has_d_entropy, state.inv_tau,
                                       state.config)
-            pointers, structs = _big_operands(plan, w, dtype, keep)
-            d_ptrs = [_rows_ptr(g, w, keep) for g in grads]
-            padded = -(-w.size // 64) * 64
-            pointers += ([t_ptr] + saved_ptrs + d_ptrs
+            pointers = _big_pointers(plan, w, keep)
+            pointers += ([t_ptr] + saved_ptrs + [_rows_ptr(g, w, keep) for g in grads]
                          + [_rows_ptr(grad, w, keep), placeholder.data_ptr()])
-            structs += ([_vector(w.size, "int32")] + [_vector(padded)] * len(saved_ptrs)
-                        + [_vector(w.size)] * len(d_ptrs) + [(w.size, plan.num_vocab, dtype)])
+            structs = _backward_operands(w.size, plan.num_vocab, dtype, masked,
+                                         len(saved_ptrs), len(grads))
             _launcher(kernel, structs, device)(pointers)
     del keep
     return grad

@@ -16,6 +16,9 @@ around `pallas_mosaic`'s kernels in XLA happens inside kernels here:
                           `pallas_mosaic._combine`), then the combine of one shard
                           (`combine.combine` at R = 1): log_prob, entropy, and the
                           backward's per-row multipliers ("saved")           [padded]
+              or, where V_loc is one chunk (`one_pass`), `forward_kernel`: the
+                          partials kernel going on with finish's math in the same
+                          CTA -- one launch instead of two
     backward  gradient  = `pallas_mosaic._backward_kernel` whose prologue forms the
                           coefficients from the saved multipliers and the incoming
                           d log_prob / d entropy, and stores d logits through a
@@ -118,6 +121,55 @@ def partials_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_t
                            plgpu.Barrier(num_arrivals=1, num_barriers=1)] if with_target
                           else [])),
         grid=(padded // _ROWS, chunks),
+        grid_names=("rows", "chunks"),
+        compiler_params=pm._compiler_params(config),
+        interpret=_interpret(config),
+    )
+
+
+# --- forward in one kernel: a vocabulary of one chunk ----------------------------------
+
+def one_pass(num_vocab: int, dtype, masked: bool, config: MosaicConfig | None = None) -> bool:
+    """Whether V_loc is one vocabulary chunk (`pallas_mosaic._chunking`: up to 4096-6144
+    columns at the default chunk_v), so that `forward_kernel` does the partials' and
+    finish's work in one launch."""
+    config, _ = _configs(jnp.dtype(dtype).itemsize, masked, config)
+    return pm._chunking(num_vocab, config.block_v, config.chunk_v)[1] == 1
+
+
+def forward_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_tau,
+                   config: MosaicConfig | None = None):
+    """`one_pass` vocabularies: fn(logits [b, V], (mask uint8 [b, V]), targets int32 [b])
+    -> (log_prob, [entropy], *saved), float32 [padded]: `partials_kernel` whose CTA,
+    holding its rows' whole vocabulary, goes on with `finish`'s math (one launch less;
+    the same arithmetic, so the same bits)."""
+    sizes = layout(num_tokens, num_vocab, dtype, masked=masked, with_entropy=with_entropy,
+                   config=config)
+    padded, num_out = sizes["padded"], sizes["num_finish"]
+    itemsize = jnp.dtype(dtype).itemsize
+    config, _ = _configs(itemsize, masked, config)
+    if pm._chunking(num_vocab, config.block_v, config.chunk_v)[1] != 1:
+        raise ValueError(f"forward_kernel needs a vocabulary of one chunk (chunk_v = "
+                         f"{config.chunk_v}); V_loc = {num_vocab} has more: use "
+                         f"partials_kernel and finish_kernel")
+    names = saved_names(with_entropy, masked)
+
+    def finish(partials, target):
+        log_prob, entropy, saved = _finish_rows(
+            [[p] for p in partials], target, chunks=1, num_vocab=num_vocab,
+            inv_tau=float(inv_tau), with_entropy=with_entropy, masked=masked,
+            one=pm._row_vector(1.0, jnp.float32, config))
+        return [log_prob] + ([entropy] if with_entropy else []) + [saved[n] for n in names]
+
+    return plgpu.kernel(
+        functools.partial(pm._forward_kernel, num_vocab=num_vocab, inv_tau=float(inv_tau),
+                          with_entropy=with_entropy, masked=masked, config=config,
+                          itemsize=itemsize, with_target=True, epilogue=(finish, num_out)),
+        out_type=[jax.ShapeDtypeStruct((padded,), jnp.float32)] * num_out,
+        scratch_types=([plgpu.SMEM((_ROWS,), jnp.float32)] * num_out
+                       + [plgpu.SMEM((_ROWS,), jnp.int32),
+                          plgpu.Barrier(num_arrivals=1, num_barriers=1)]),
+        grid=(padded // _ROWS, 1),
         grid_names=("rows", "chunks"),
         compiler_params=pm._compiler_params(config),
         interpret=_interpret(config),
@@ -341,14 +393,38 @@ def backward_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, entro
 # --- the whole op in JAX (interpret-mode tests, and the shapes the launcher sees) --------
 
 def logprob_entropy_rows(logits, targets, keep_mask=None, *, inv_tau=1.0, with_entropy=True,
-                         gathered_target=False, config: MosaicConfig | None = None):
+                         gathered_target=False, single_kernel=None,
+                         config: MosaicConfig | None = None):
     """(log_prob [T], entropy [T] or None, saved {name: [padded]}) of one shard (R = 1)
-    through the direct route's two forward kernels. `targets` int32 [T]."""
+    through the direct route's forward kernels: `forward_kernel` where `single_kernel`
+    (None: where `one_pass` and not `gathered_target`, as the bridge chooses), else the
+    partials and finish kernels. `targets` int32 [T]."""
+    num_tokens, num_vocab = logits.shape
+    masked = keep_mask is not None
+    operands = [logits] + ([pm._mask_bytes(keep_mask)] if masked else [])
+    if single_kernel is None:
+        single_kernel = not gathered_target and one_pass(num_vocab, logits.dtype, masked,
+                                                          config)
+    if single_kernel:
+        outs = list(forward_kernel(num_tokens, num_vocab, logits.dtype, masked=masked,
+                                   with_entropy=with_entropy, inv_tau=inv_tau,
+                                   config=config)(*operands, targets))
+    else:
+        outs = _two_kernel_forward(logits, targets, keep_mask, operands, inv_tau=inv_tau,
+                                   with_entropy=with_entropy,
+                                   gathered_target=gathered_target, config=config)
+    log_prob = outs.pop(0)[:num_tokens]
+    entropy = outs.pop(0)[:num_tokens] if with_entropy else None
+    return log_prob, entropy, dict(zip(saved_names(with_entropy, masked), outs))
+
+
+def _two_kernel_forward(logits, targets, keep_mask, operands, *, inv_tau, with_entropy,
+                        gathered_target, config):
     num_tokens, num_vocab = logits.shape
     masked = keep_mask is not None
     common = dict(masked=masked, with_entropy=with_entropy, inv_tau=inv_tau,
                   gathered_target=gathered_target, config=config)
-    operands = [logits] + ([pm._mask_bytes(keep_mask)] if masked else [])
+    operands = list(operands)
     if not gathered_target:
         operands.append(targets)
     parts = partials_kernel(num_tokens, num_vocab, logits.dtype, **common)(*operands)
@@ -359,11 +435,8 @@ def logprob_entropy_rows(logits, targets, keep_mask=None, *, inv_tau=1.0, with_e
         if masked:
             bit = jnp.take_along_axis(keep_mask, index, axis=1)[:, 0]
             gathered.append(bit.astype(jnp.float32))
-    outs = list(finish_kernel(num_tokens, num_vocab, logits.dtype, **common)(
+    return list(finish_kernel(num_tokens, num_vocab, logits.dtype, **common)(
         *parts, targets, *gathered))
-    log_prob = outs.pop(0)[:num_tokens]
-    entropy = outs.pop(0)[:num_tokens] if with_entropy else None
-    return log_prob, entropy, dict(zip(saved_names(with_entropy, masked), outs))
 
 
 def logits_grad_rows(logits, targets, keep_mask, saved, d_log_prob, d_entropy, *,

@@ -198,15 +198,19 @@ def num_partials(with_entropy: bool, masked: bool, with_target: bool = False) ->
 
 
 def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, itemsize,
-                    with_target=False):
+                    with_target=False, epilogue=None):
     """`with_target`: also read the rows' (shard-local) targets and sum, per chunk, the
     target's raw logit and its mask bit (0 in chunks that do not hold the target), so
-    that no gather outside the kernel is needed (`mosaic_direct.py`)."""
+    that no gather outside the kernel is needed (`mosaic_direct.py`).
+
+    `epilogue` (one vocabulary chunk only): `(fn, num_out)`; `fn(partials, targets)`
+    turns the row block's partials into `num_out` row vectors, written to 1-D [padded]
+    outputs instead of the partials (`mosaic_direct.forward_kernel`)."""
     refs = list(refs)
     logits_ref = refs.pop(0)
     mask_ref = refs.pop(0) if masked else None
     target_ref = refs.pop(0) if with_target else None
-    num_out = num_partials(with_entropy, masked, with_target)
+    num_out = epilogue[1] if epilogue else num_partials(with_entropy, masked, with_target)
     out_refs, smem_refs = refs[:num_out], refs[num_out:2 * num_out]
     block_v = config.block_v
     tiles, _, per_chunk = _chunking(num_vocab, block_v, config.chunk_v)
@@ -292,11 +296,14 @@ def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, ite
                                    max_concurrent_steps=config.num_stages,
                                    init_carry=carry)
     results = [r for r in pipeline(*gmem) if r is not None]
+    rows = pl.ds(row_block * _ROWS, _ROWS)
+    if epilogue:
+        results = epilogue[0](results, target)
     for smem, value in zip(smem_refs, results):
         smem[...] = value
     plgpu.commit_smem()
     for smem, out in zip(smem_refs, out_refs):
-        plgpu.copy_smem_to_gmem(smem, out.at[chunk, pl.ds(row_block * _ROWS, _ROWS)])
+        plgpu.copy_smem_to_gmem(smem, out.at[rows] if epilogue else out.at[chunk, rows])
     plgpu.wait_smem_to_gmem(0)
 
 

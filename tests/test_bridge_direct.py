@@ -221,3 +221,33 @@ def test_direct_with_the_target_gathered_by_torch(masked, monkeypatch, direct_ca
     assert float((lp.double() - lp_r)[ok].abs().max()) <= 1e-5 * scale
     assert float((h.double() - h_r).abs().max()) <= 1e-5 * scale
     assert S.rel_err(grad, g_r) <= S.grad_tol("bfloat16")
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+def test_direct_single_kernel_forward_matches_two_kernels_bitwise(masked, monkeypatch,
+                                                                  direct_calls):
+    """V_loc of one vocabulary chunk takes one forward kernel (`forward_kernel`); the
+    partials + finish pair computes the same bits."""
+    from jaxops import mosaic_direct as md
+
+    T, V = 300, 1024
+    assert md.one_pass(V, "bfloat16", masked)
+    x, y, mask, g_lp, g_h = _inputs(T, V, torch.bfloat16, masked, seed=23)
+    y[7] = -1
+
+    def run():
+        _direct._window_forward.cache_clear()
+        xx = x.detach().requires_grad_()
+        lp, h = bridge.logprob_entropy(xx, y, keep_mask=mask, temperature=0.8,
+                                       implementation="pallas_mosaic")
+        (grad,) = torch.autograd.grad([lp, h], xx, [torch.where(y >= 0, g_lp, 0), g_h])
+        return lp, h, grad
+
+    one = run()
+    monkeypatch.setattr(md, "one_pass", lambda *args, **kwargs: False)
+    two = run()
+    _direct._window_forward.cache_clear()
+    assert len(direct_calls) == 2
+    for a, b in zip(one, two):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num())
+    assert torch.isnan(one[0][7]) and not torch.isnan(one[0][:7]).any()

@@ -23,7 +23,7 @@ import bridge
 from bridge import _direct, _run
 from jaxops.pallas_config import MosaicConfig
 
-pytest.importorskip("jaxops.mosaic_direct")
+md = pytest.importorskip("jaxops.mosaic_direct")
 
 
 @pytest.fixture
@@ -50,16 +50,22 @@ def launches(monkeypatch):
 @pytest.mark.parametrize("with_entropy, entropy_grad", [(True, True), (True, False),
                                                         (False, False)])
 @pytest.mark.parametrize("num_tokens, gather_from", [(16, 2**62), (3001, 0), (3001, 2**21)])
+@pytest.mark.parametrize("V", [1024, 8192], ids=["one_chunk", "chunks"])
 def test_every_launch_matches_its_kernel(masked, with_entropy, entropy_grad, num_tokens,
-                                         gather_from, launches, monkeypatch):
-    monkeypatch.setattr(_direct, "GATHER_TARGET_FROM", gather_from)  # 2**21: mixed windows
-    V = 1024
+                                         gather_from, V, launches, monkeypatch):
+    # 2**21: mixed windows (small ones find the target in the kernel, large ones not)
+    monkeypatch.setattr(_direct, "GATHER_TARGET_FROM", gather_from)
     x = torch.randn(num_tokens, V)
     y = torch.randint(0, V, (num_tokens,))
     mask = torch.rand(num_tokens, V) < 0.2 if masked else None
     plan = _run.Plan(x, y, mask, "pallas_mosaic")
     outputs, state = _direct.forward(plan, 1.0, with_entropy)
-    assert len(launches) == 2 * len(plan.windows)
+    # One kernel for a window whose vocabulary is one chunk and whose target is found in
+    # the kernel, two (partials, finish) otherwise.
+    one_chunk = V == 1024
+    assert md.one_pass(V, "float32", masked) == one_chunk
+    single = [one_chunk and w.size * V < gather_from for w in plan.windows]
+    assert len(launches) == sum(1 if one else 2 for one in single)
     assert tuple(outputs[0].shape) == (num_tokens,)
     for d_lp, d_h in [(torch.randn(num_tokens), torch.randn(num_tokens)),
                       (None, torch.randn(num_tokens)), (torch.randn(num_tokens), None)]:
@@ -81,7 +87,8 @@ def test_strided_targets_and_broadcast_cotangents(launches):
     _, state = _direct.forward(plan, 1.0, True)
     ones = torch.ones(1).expand(T)
     grad = _direct.backward(state, ones, ones, True)
-    assert grad.shape == x.shape and len(launches) == 3 * len(plan.windows)
+    # one forward kernel (V = 1024 is one vocabulary chunk) and the backward, per window
+    assert grad.shape == x.shape and len(launches) == 2 * len(plan.windows)
 
 
 # --- end to end on CPU: the launches run the kernels in interpret mode -------------------
@@ -100,7 +107,6 @@ def interpreted(monkeypatch):
     the given addresses: the direct route end to end on CPU, pointers and all. The
     backward kernel stores through an input on the GPU; here its JAX form (`into=False`)
     runs and its result is copied to the gradient's address."""
-    from jaxops import mosaic_direct as md
 
     def backward_kernel(*args):
         return ("backward", args)
@@ -134,17 +140,19 @@ def interpreted(monkeypatch):
         world == 1 and not want_stats and plan.implementation == "pallas_mosaic"))
 
 
-@pytest.mark.parametrize("num_tokens, masked, gather_from", [
-    (70, True, 2**62), (70, False, 0), (300, True, 2**16), (5, False, 2**62)])
-def test_direct_route_end_to_end_in_interpret_mode(num_tokens, masked, gather_from,
+@pytest.mark.parametrize("num_tokens, masked, gather_from, chunk_v", [
+    (70, True, 2**62, 384), (70, False, 0, 384), (300, True, 2**16, 384),
+    (5, False, 2**62, 384), (70, True, 2**62, 1024), (300, False, 2**62, 1024)])
+def test_direct_route_end_to_end_in_interpret_mode(num_tokens, masked, gather_from, chunk_v,
                                                    interpreted, monkeypatch):
     """Through `bridge.logprob_entropy` (eager autograd) against the float64 reference:
     every pointer, offset and window of the route, with the kernels interpreted."""
     monkeypatch.setattr(_direct, "GATHER_TARGET_FROM", gather_from)
     monkeypatch.setattr(_run.Plan, "__init__", _cuda_like_plan(_run.Plan.__init__))
-    # Several vocabulary chunks at V = 640 (five 128-column tiles): the partials' offsets.
+    # V = 640 is five 128-column tiles: several vocabulary chunks at chunk_v = 384 (the
+    # partials' offsets), one at 1024 (the single-kernel forward).
     monkeypatch.setattr(_direct, "_config", lambda plan: MosaicConfig(interpret=True,
-                                                                      chunk_v=384))
+                                                                      chunk_v=chunk_v))
     import _bridge_scenarios as S
 
     V, tau = 640, 0.8

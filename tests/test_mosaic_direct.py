@@ -29,6 +29,9 @@ CASES = [  # (T, V_loc, dtype, mask, entropy, tau, which cotangents, target gath
     (65, 1008, BF16, "mixed", True, 1.3, "both", True),
     (64, 640, F32, None, True, 1.0, "entropy", False),
     (3, 1024, F32, "random", True, 1.0, "lp", True),
+    # one chunk (V_loc <= chunk_v): the single-kernel forward
+    (70, 512, F32, "mixed", True, 0.7, "both", False),
+    (5, 384, BF16, None, True, 1.3, "both", False),
 ]
 
 
@@ -57,6 +60,24 @@ def test_direct_kernels_match_float64(case):
                     with_entropy)
 
 
+@pytest.mark.parametrize("dtype, mask_kind, with_entropy", [
+    (F32, "mixed", True), (BF16, None, True), (F32, None, False), (BF16, "random", False)])
+def test_single_kernel_forward_equals_two_kernels_bitwise(dtype, mask_kind, with_entropy):
+    """`forward_kernel` runs `finish`'s arithmetic inside the partials kernel: the same
+    outputs and saved multipliers, bit for bit (interpret mode)."""
+    logits, targets, mask = _inputs(11, 70, 512, dtype, mask_kind)
+    targets = targets.astype(jnp.int32).at[3].set(-1).at[4].set(512)  # invalid rows too
+    assert md.one_pass(512, dtype, mask is not None, INTERPRET)
+    kw = dict(inv_tau=1 / 0.7, with_entropy=with_entropy, config=INTERPRET)
+    one = md.logprob_entropy_rows(logits, targets, mask, single_kernel=True, **kw)
+    two = md.logprob_entropy_rows(logits, targets, mask, single_kernel=False, **kw)
+    for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    with pytest.raises(ValueError, match="chunk_v"):
+        md.forward_kernel(70, 1024, dtype, masked=False, with_entropy=True, inv_tau=1.0,
+                          config=INTERPRET)
+
+
 def test_entropy_grad_off_ignores_d_entropy():
     logits, targets, _ = _inputs(1, 40, 512, F32, None)
     targets = targets.astype(jnp.int32)
@@ -82,6 +103,8 @@ def test_out_of_range_targets_give_nan():
     (8192, 151936, BF16, True, True, True),
     (1, 18992, BF16, True, False, False),
     (32768, 151936, F32, True, True, True),
+    (16, 1024, F32, True, True, False),  # one chunk: the single-kernel forward
+    (4096, 4096, BF16, False, False, False),
 ])
 def test_direct_kernels_lower_for_cuda_as_one_kernel(num_tokens, num_vocab, dtype, masked,
                                                      with_entropy, gathered):
@@ -115,3 +138,6 @@ def test_direct_kernels_lower_for_cuda_as_one_kernel(num_tokens, num_vocab, dtyp
                           *[S((num_tokens,), jnp.float32)] * (1 + with_entropy),
                           S((num_tokens, num_vocab), dtype))
     assert placeholder.shape == (1,)
+    if not gathered and md.one_pass(num_vocab, dtype, masked):
+        single = lowered(md.forward_kernel(num_tokens, num_vocab, dtype, **common), *inputs)
+        assert [o.shape for o in single] == [o.shape for o in outs]

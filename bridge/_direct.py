@@ -22,15 +22,16 @@ The launcher (`_Launcher`) is built from the two pieces `plgpu.as_torch_kernel` 
 made of in jax 0.10-0.11 (the lowered module's Mosaic GPU call, and
 `mosaic.gpu.core._compile_as_torch_gpu_kernel`), without that wrapper's per-call
 argument checks and per-output allocations: on the H200 host those cost ~80 µs per
-launch. Outputs of one kernel are carved out of one torch allocation. If a JAX
+launch. A window's forward buffers are carved out of one torch allocation. If a JAX
 version lacks the pieces, `_ready()` is False and the bridge uses the JAX route.
 
 Targets: int64 ids are clamped to [-1, V] before the int32 conversion (two small torch
 ops), so an out-of-range id stays out of range (NaN log-prob) instead of wrapping
 around. Large windows (`GATHER_TARGET_FROM`) get the target's logit gathered by torch.
 
-Measured on the H200 (benchmarks/NOTES.md, "The direct route"): 25-40% less host time
-than the JAX route, still 2.7-6x the torch-only floor at host-bound sizes.
+Measured on the H200 (benchmarks/NOTES.md, "The direct route, host cost again"): a
+forward+backward takes 2.5-2.7x less time than through JAX at host-bound sizes; 1.2x the
+torch-only floor at T = 8192, V_loc = 18,992, 2-3x at T = 16.
 """
 
 from __future__ import annotations

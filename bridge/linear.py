@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from bridge import _checks, _dlpack, _linear_jaxfns, _run
+from bridge._autograd import no_second_derivative
 from bridge._jaxfns import combine as combine_fn
 from bridge._run import IMPLEMENTATIONS, check_shareable
 from bridge._windows import row_align, row_windows
@@ -339,26 +340,33 @@ class _LinearFunction(torch.autograd.Function):
         return lp, ent
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, d_log_prob, d_entropy):
-        hidden, weight, _, _ = ctx.saved_tensors  # (raises if an input changed in place)
-        (inv_tau, with_entropy, entropy_grad, chunk_size, rank, world, group_name,
-         reduce_hidden_grad) = ctx.params
-        want_d_hidden, want_d_weight = ctx.needs_input_grad[:2]
-        nones = (None,) * 12
-        if not (with_entropy and entropy_grad):
-            d_entropy = None
-        if d_log_prob is None and d_entropy is None:
-            return (None, None) + nones
-        if ctx.state is None:  # T = 0: nothing to compute, nothing to reduce
-            return (torch.zeros_like(hidden) if want_d_hidden else None,
-                    torch.zeros_like(weight) if want_d_weight else None) + nones
-        d_hidden, d_weight = backward(ctx.state, d_log_prob, d_entropy, inv_tau, with_entropy,
-                                      entropy_grad, chunk_size, rank, want_d_hidden,
-                                      want_d_weight)
-        if d_hidden is not None and reduce_hidden_grad and world > 1:
-            dist.all_reduce(d_hidden, group=_run.resolve_group(group_name))
-        return (d_hidden, d_weight) + nones
+        if not torch.is_grad_enabled():
+            return _linear_backward(ctx, d_log_prob, d_entropy)
+        with torch.no_grad():  # create_graph=True
+            grads = _linear_backward(ctx, d_log_prob, d_entropy)
+        return no_second_derivative(grads, ctx.saved_tensors[:2])
+
+
+def _linear_backward(ctx, d_log_prob, d_entropy):
+    hidden, weight, _, _ = ctx.saved_tensors  # (raises if an input changed in place)
+    (inv_tau, with_entropy, entropy_grad, chunk_size, rank, world, group_name,
+     reduce_hidden_grad) = ctx.params
+    want_d_hidden, want_d_weight = ctx.needs_input_grad[:2]
+    nones = (None,) * 12
+    if not (with_entropy and entropy_grad):
+        d_entropy = None
+    if d_log_prob is None and d_entropy is None:
+        return (None, None) + nones
+    if ctx.state is None:  # T = 0: nothing to compute, nothing to reduce
+        return (torch.zeros_like(hidden) if want_d_hidden else None,
+                torch.zeros_like(weight) if want_d_weight else None) + nones
+    d_hidden, d_weight = backward(ctx.state, d_log_prob, d_entropy, inv_tau, with_entropy,
+                                  entropy_grad, chunk_size, rank, want_d_hidden,
+                                  want_d_weight)
+    if d_hidden is not None and reduce_hidden_grad and world > 1:
+        dist.all_reduce(d_hidden, group=_run.resolve_group(group_name))
+    return (d_hidden, d_weight) + nones
 
 
 @torch.compiler.disable

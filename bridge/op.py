@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from bridge import _checks, _run
+from bridge._autograd import no_second_derivative
 from bridge._run import IMPLEMENTATIONS, check_shareable
 from jaxops import staged
 
@@ -258,19 +259,6 @@ def _eager_backward(ctx, d_log_prob, d_entropy):
                           with_entropy, entropy_grad, rank),) + nones
 
 
-def _no_second_derivative(grad: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-    """With create_graph=True: the gradient, behind a node that raises if it is itself
-    differentiated. The kernels have no derivative of their own, and a gradient that
-    looked constant would drop a second-order term without a word (the custom-op route
-    raises the same way). `once_differentiable` does this only when the incoming
-    gradients require grad, which those of a plain loss do not; here the node also
-    hangs on the logits, so any path from the gradient back to them runs into it."""
-    error = torch._C._functions.DelayedError(
-        b"bridge.logprob_entropy has no second derivative: its gradient cannot be "
-        b"differentiated again (create_graph=True)", 2)
-    return error(grad.detach(), logits)[0]
-
-
 class _EagerFunction(torch.autograd.Function):
     """The eager route. Besides skipping the custom-op dispatch layers it keeps the JAX
     views made in the forward (logits, targets, mask, statistics per row window) for the
@@ -308,10 +296,8 @@ class _EagerFunction(torch.autograd.Function):
         if not torch.is_grad_enabled():
             return _eager_backward(ctx, d_log_prob, d_entropy)
         with torch.no_grad():  # create_graph=True
-            grad, *nones = _eager_backward(ctx, d_log_prob, d_entropy)
-        if grad is not None:
-            grad = _no_second_derivative(grad, ctx.saved_tensors[0])
-        return (grad, *nones)
+            grads = _eager_backward(ctx, d_log_prob, d_entropy)
+        return no_second_derivative(grads, ctx.saved_tensors[:1])
 
 
 # ---------------------------------------------------------------------------

@@ -171,6 +171,21 @@ def test_only_the_gradients_autograd_needs():
     assert not lp2.requires_grad and torch.equal(lp2, lp.detach())
 
 
+def test_no_double_backward():
+    """Under create_graph=True the gradients are exact, and differentiating them again
+    raises (a constant-looking gradient would drop a second-order term silently)."""
+    hidden, weight, y, _, _, _ = make(6, 8, 12, seed=8)
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    lp, ent = bridge.linear_logprob_entropy(h, w, y)
+    plain = torch.autograd.grad(lp.sum() + ent.sum(), [h, w])
+    lp, ent = bridge.linear_logprob_entropy(h, w, y)
+    dh, dw = torch.autograd.grad(lp.sum() + ent.sum(), [h, w], create_graph=True)
+    assert torch.equal(dh, plain[0]) and torch.equal(dw, plain[1])
+    for second in (dh.square().sum() + h.sum(), dw.square().sum() + w.sum()):
+        with pytest.raises(RuntimeError, match="no second derivative"):
+            torch.autograd.grad(second, [h, w], retain_graph=True, allow_unused=True)
+
+
 def test_entropy_gradient_alone():
     """Only the entropy is used: the log-prob's cotangent is None."""
     hidden, weight, y, _, _, g_h = make(6, 8, 12, seed=6)

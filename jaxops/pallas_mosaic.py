@@ -104,6 +104,19 @@ def _read_unoptimized(ref, layout, config: MosaicConfig):
     return plgpu.load(ref, layout=layout, optimized=False)  # 0.11: index the ref instead
 
 
+def _mask_reader(num_vocab: int, block_v: int, masked: bool, config: MosaicConfig):
+    """(the mask tiles' SMEM transforms, fn reading a mask tile as bool [64, block_v] in
+    the WGMMA layout). Without a swizzle that V_loc admits, the load accepts bank
+    conflicts (`_read_unoptimized`)."""
+    transforms = _transforms(num_vocab, 1, block_v) if masked else ()
+
+    def read(ref):
+        if transforms:
+            return _read(ref, plgpu.Layout.WGMMA, config) != 0
+        return _read_unoptimized(ref, plgpu.Layout.WGMMA, config) != 0
+    return transforms, read
+
+
 def _rows_layout():
     return plgpu.Layout.WGMMA.reduce(1)
 
@@ -227,12 +240,7 @@ def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, ite
     scale = inv_tau * _LOG2E
     shape = (_ROWS, block_v)
     wgmma = plgpu.Layout.WGMMA
-    mask_transforms = _transforms(num_vocab, 1, block_v) if masked else ()
-
-    def read_mask(ref):
-        if mask_transforms:
-            return _read(ref, wgmma, config) != 0
-        return _read_unoptimized(ref, wgmma, config) != 0
+    mask_transforms, read_mask = _mask_reader(num_vocab, block_v, masked, config)
 
     def step(indices, *tile_refs_and_carry):
         (j,) = indices
@@ -432,12 +440,7 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsiz
     scale = inv_tau * _LOG2E
     shape = (_ROWS, block_v)
     wgmma = plgpu.Layout.WGMMA
-    mask_transforms = _transforms(num_vocab, 1, block_v) if masked else ()
-
-    def read_mask(ref):
-        if mask_transforms:
-            return _read(ref, wgmma, config) != 0
-        return _read_unoptimized(ref, wgmma, config) != 0
+    mask_transforms, read_mask = _mask_reader(num_vocab, block_v, masked, config)
 
     def step(indices, *tile_refs):
         (j,) = indices

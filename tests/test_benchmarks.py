@@ -22,7 +22,7 @@ from benchmarks import bench, cases, harness, report  # stdlib-only at import ti
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(REPO, "benchmarks")
 ENTRY_SCRIPTS = ("bench", "report", "plot", "tune", "profile_kernels", "gpu_smoke",
-                 "bridge_overhead")
+                 "bridge_overhead", "kernel_asm")
 
 
 def _run(*args, timeout=900, cwd=REPO, pythonpath=True):
@@ -354,3 +354,30 @@ def test_linear_head_cpu_quick_has_every_row(tmp_path):
         assert h == pytest.approx(means[0][1], rel=1e-4) and h > 0
     # the JAX rows report their temporaries (buffer assignment works on the CPU)
     assert rows[("jaxops-fused", T, H, True)]["fb_extra_bytes"] is not None
+
+
+def test_kernel_asm_sees_a_kernel_change(monkeypatch):
+    """benchmarks/kernel_asm.py (the refactor check): the same kernel prints the same
+    text twice, without source locations, and a different kernel prints differently."""
+    pytest.importorskip("jaxops.mosaic_direct")
+    import jax.numpy as jnp
+
+    from benchmarks import kernel_asm
+
+    def partials_text(config, inv_tau=None):  # None: as kernel_asm builds it (1 / 0.7)
+        (name, fn, structs), *_ = kernel_asm.kernels([config])
+        assert name.startswith("partials")
+        if inv_tau is not None:
+            from jaxops import mosaic_direct as md
+
+            T, V, dtype, masked, with_entropy = config
+            fn = md.partials_kernel(T, V, dtype, masked=masked, with_entropy=with_entropy,
+                                    inv_tau=inv_tau)
+        (text,) = kernel_asm.kernel_modules(fn, structs)
+        return text
+
+    config = (64, 1024, jnp.float32, False, True)
+    first = partials_text(config)
+    assert "loc(" not in first and len(first) > 1000
+    assert partials_text(config) == first
+    assert partials_text(config, inv_tau=1 / 0.9) != first

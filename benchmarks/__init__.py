@@ -9,8 +9,10 @@ Run the scripts from the repository root as modules, or by path (the same):
 Modules: harness (roofline bytes, the timing loop, CLI and result-writing helpers),
 cases (what bench measures), impls (the implementations), runner (one case: inputs,
 timing, memory), bench (the CLI), report and plot (tables and the plot from the JSON),
-tune, profile_kernels, gpu_smoke, bridge_overhead (kernel tuning and device checks).
-NOTES.md is the lab notebook.
+tune, profile_kernels, gpu_smoke, bridge_overhead (kernel tuning and device checks);
+host_direct, host_interleaved (the bridge's direct route: host cost); kernel_asm (the
+Mosaic kernels as text, to check that a refactor changes none). NOTES.md is the lab
+notebook.
 
 Entry scripts run by path (`python benchmarks/bench.py`) start with the same guarded
 bootstrap, the only sys.path edit here: when run that way (not with -m, not imported)

@@ -25,3 +25,14 @@ def no_second_derivative(grads, inputs):
     error = torch._C._functions.DelayedError(_MESSAGE, len(present) + len(inputs))
     guarded = iter(error(*(g.detach() for g in present), *inputs)[:len(present)])
     return tuple(None if g is None else next(guarded) for g in grads)
+
+
+def first_order_backward(backward, ctx, *cotangents, num_inputs: int):
+    """`backward(ctx, *cotangents)`, the body of an autograd.Function's backward. Under
+    create_graph=True its gradients come behind the guard, hung on the first
+    `num_inputs` saved tensors (the differentiable inputs)."""
+    if not torch.is_grad_enabled():
+        return backward(ctx, *cotangents)
+    with torch.no_grad():
+        grads = backward(ctx, *cotangents)
+    return no_second_derivative(grads, ctx.saved_tensors[:num_inputs])

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 
 from bridge import _checks, _dlpack, _linear_jaxfns, _run
-from bridge._autograd import no_second_derivative
+from bridge._autograd import first_order_backward
 from bridge._jaxfns import combine as combine_fn
 from bridge._run import IMPLEMENTATIONS, check_shareable
 from bridge._windows import row_align, row_windows
@@ -341,11 +341,8 @@ class _LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_log_prob, d_entropy):
-        if not torch.is_grad_enabled():
-            return _linear_backward(ctx, d_log_prob, d_entropy)
-        with torch.no_grad():  # create_graph=True
-            grads = _linear_backward(ctx, d_log_prob, d_entropy)
-        return no_second_derivative(grads, ctx.saved_tensors[:2])
+        return first_order_backward(_linear_backward, ctx, d_log_prob, d_entropy,
+                                    num_inputs=2)
 
 
 def _linear_backward(ctx, d_log_prob, d_entropy):

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from bridge import _checks, _run
-from bridge._autograd import no_second_derivative
+from bridge._autograd import first_order_backward
 from bridge._run import IMPLEMENTATIONS, check_shareable
 from jaxops import staged
 
@@ -293,11 +293,8 @@ class _EagerFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_log_prob, d_entropy):
-        if not torch.is_grad_enabled():
-            return _eager_backward(ctx, d_log_prob, d_entropy)
-        with torch.no_grad():  # create_graph=True
-            grads = _eager_backward(ctx, d_log_prob, d_entropy)
-        return no_second_derivative(grads, ctx.saved_tensors[:1])
+        return first_order_backward(_eager_backward, ctx, d_log_prob, d_entropy,
+                                    num_inputs=1)
 
 
 # ---------------------------------------------------------------------------

@@ -211,7 +211,9 @@ def _backward_kernel(num_tokens, num_vocab, dtype, masked, with_entropy, entropy
 
 @functools.lru_cache(maxsize=None)
 def _backward_operands(size, num_vocab, dtype, masked, num_saved, num_cotangents) -> list:
-    padded = -(-size // 64) * 64
+    from jaxops import mosaic_direct as md
+
+    padded = md.padded_rows(size)
     return ([(size, num_vocab, dtype)] + [(size, num_vocab, "uint8")] * masked
             + [(size, "int32")] + [(padded, "float32")] * num_saved
             + [(size, "float32")] * num_cotangents + [(size, num_vocab, dtype)])

@@ -72,6 +72,11 @@ def saved_names(with_entropy: bool, masked: bool) -> tuple[str, ...]:
     return tuple(names)
 
 
+def padded_rows(num_tokens: int) -> int:
+    """Rows of every O(T) buffer the kernels read or write: whole 64-row blocks."""
+    return pl.cdiv(num_tokens, _ROWS) * _ROWS
+
+
 def layout(num_tokens: int, num_vocab: int, dtype, *, masked: bool, with_entropy: bool,
            gathered_target: bool = False, config: MosaicConfig | None = None) -> dict:
     """The buffers' sizes, for a caller that allocates them: vocabulary chunks,
@@ -79,7 +84,7 @@ def layout(num_tokens: int, num_vocab: int, dtype, *, masked: bool, with_entropy
     itemsize = jnp.dtype(dtype).itemsize
     config, _ = _configs(itemsize, masked, config)
     _, chunks, _ = pm._chunking(num_vocab, config.block_v, config.chunk_v)
-    return dict(chunks=chunks, padded=pl.cdiv(num_tokens, _ROWS) * _ROWS,
+    return dict(chunks=chunks, padded=padded_rows(num_tokens),
                 num_partials=pm.num_partials(with_entropy, masked,
                                              with_target=not gathered_target),
                 num_finish=1 + with_entropy + len(saved_names(with_entropy, masked)))
@@ -148,7 +153,7 @@ def forward_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_ta
     padded, num_out = sizes["padded"], sizes["num_finish"]
     itemsize = jnp.dtype(dtype).itemsize
     config, _ = _configs(itemsize, masked, config)
-    if pm._chunking(num_vocab, config.block_v, config.chunk_v)[1] != 1:
+    if not one_pass(num_vocab, dtype, masked, config):
         raise ValueError(f"forward_kernel needs a vocabulary of one chunk (chunk_v = "
                          f"{config.chunk_v}); V_loc = {num_vocab} has more: use "
                          f"partials_kernel and finish_kernel")
@@ -361,7 +366,7 @@ def backward_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, entro
     entropy = has_d_entropy
     names = saved_names(with_entropy, masked)
     _, chunks, per_chunk = pm._chunking(num_vocab, config.block_v, config.chunk_v)
-    padded = pl.cdiv(num_tokens, _ROWS) * _ROWS
+    padded = padded_rows(num_tokens)
     num_vectors = 3 + entropy + 2 * masked
     num_in = 1 + len(names) + has_d_log_prob + has_d_entropy
     prologue = functools.partial(

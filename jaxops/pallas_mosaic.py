@@ -55,6 +55,11 @@ _ROWS = 64  # rows per CTA: the M extent of the WGMMA register layout
 _EXCLUDED = 2 * NEG  # as in pallas_gpu.py: strictly below the running max's start NEG
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
+# With a keep mask, the kept logits' sum shares the row's exponential (relative to the
+# row maximum) while the kept maximum is at most this far below it, in log2 units. The
+# terms that underflow there (below 2^-126) are below 2^-62 of the kept maximum's own
+# term: over 2^20 columns still far below float32's epsilon.
+_SHARED_EXP_GAP = 64.0
 
 
 # --- version shims (jax 0.10.2 and 0.11.2 checked) -------------------------------------
@@ -218,7 +223,19 @@ def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, ite
 
     `epilogue` (one vocabulary chunk only): `(fn, num_out)`; `fn(partials, targets)`
     turns the row block's partials into `num_out` row vectors, written to 1-D [padded]
-    outputs instead of the partials (`mosaic_direct.forward_kernel`)."""
+    outputs instead of the partials (`mosaic_direct.forward_kernel`).
+
+    Two choices keep the instruction count per element low (the bf16 kernels are as
+    much instruction- as bandwidth-bound):
+    - Only a chunk's edge tiles (the last chunk's tiles shared with its neighbour, the
+      vocabulary's partial last tile) hold columns to leave out; a tile-uniform branch
+      gives the others a body without the column mask (iota, two compares, a select).
+    - With a mask, the kept sum shares the row's exponential: it accumulates relative
+      to the running *row* maximum and is moved to the kept maximum per row at the end.
+      That is exact to rounding while the kept maximum is within `_SHARED_EXP_GAP` of the
+      row maximum (a top-p mask keeps the row maximum: the gap is 0). Otherwise one
+      more pass over the chunk, taken by the whole CTA, sums the kept logits relative to
+      their own maximum, as `xla.py` does."""
     refs = list(refs)
     logits_ref = refs.pop(0)
     mask_ref = refs.pop(0) if masked else None
@@ -241,20 +258,33 @@ def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, ite
     shape = (_ROWS, block_v)
     wgmma = plgpu.Layout.WGMMA
     mask_transforms, read_mask = _mask_reader(num_vocab, block_v, masked, config)
+    # A float32 tile of ones (where(c, 1.0, 0.0) of two Python floats is float64 under x64).
+    ones = _layout(jnp.full(shape, 1.0, jnp.float32), wgmma, config) if with_target else None
 
-    def step(indices, *tile_refs_and_carry):
-        (j,) = indices
-        if masked:
-            logits_smem, mask_smem, carry = tile_refs_and_carry
-        else:
-            logits_smem, carry = tile_refs_and_carry
-        row_max, sum_exp, shifted, kept_max, kept_sum, target_sum, target_kept = carry
-        cols = (first_tile + j) * block_v + _layout(
+    def columns(j):
+        """[64, block_v] int32: the tile's vocabulary columns."""
+        return (first_tile + j) * block_v + _layout(
             lax.broadcasted_iota(jnp.int32, shape, 1), wgmma, config)
-        in_vocab = (cols >= first_owned * block_v) & (cols < num_vocab)
+
+    def is_edge(j):
+        tile = first_tile + j
+        return (tile < first_owned) | ((tile + 1) * block_v > num_vocab)
+
+    def read_raw(logits_smem, j, edge):
+        """(stored tile, raw float32 tile with the columns left out at _EXCLUDED, in-vocab
+        mask or None)."""
         stored = _read(logits_smem, wgmma, config)
-        raw = jnp.where(in_vocab, jnp.maximum(stored.astype(jnp.float32), _EXCLUDED),
-                        _EXCLUDED)
+        raw = jnp.maximum(stored.astype(jnp.float32), _EXCLUDED)
+        if not edge:
+            return stored, raw, None
+        cols = columns(j)
+        in_vocab = (cols >= first_owned * block_v) & (cols < num_vocab)
+        return stored, jnp.where(in_vocab, raw, _EXCLUDED), in_vocab
+
+    def update(j, tile_refs, carry, edge):
+        logits_smem, mask_smem = tile_refs if masked else (tile_refs[0], None)
+        row_max, sum_exp, shifted, kept_max, kept_sum, target_sum, target_kept = carry
+        stored, raw, in_vocab = read_raw(logits_smem, j, edge)
 
         new_max = jnp.maximum(row_max, raw.max(axis=1))
         d = raw * scale + _per_col(_neg_reference(new_max * inv_tau), shape)
@@ -266,32 +296,30 @@ def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, ite
         sum_exp = sum_exp * rescale + exp_d.sum(axis=1)
         row_max = new_max
 
-        if masked:
+        keep = None
+        if masked:  # columns left out are at _EXCLUDED: neither their max nor exp counts
             keep = read_mask(mask_smem)
-            kept_raw = jnp.where(keep & in_vocab, raw, _EXCLUDED)
-            new_kept_max = jnp.maximum(kept_max, kept_raw.max(axis=1))
-            kept_exp = jnp.exp2(
-                kept_raw * scale + _per_col(_neg_reference(new_kept_max * inv_tau), shape))
-            kept_sum = (kept_sum * jnp.exp2((kept_max - new_kept_max) * scale)
-                        + kept_exp.sum(axis=1))
-            kept_max = new_kept_max
+            kept_max = jnp.maximum(kept_max, jnp.where(keep, raw, _EXCLUDED).max(axis=1))
+            kept_sum = kept_sum * rescale + jnp.where(keep, exp_d, 0.0).sum(axis=1)
         if with_target:
             # One column at most matches (owned columns only): the sums are exact, and
             # the logit is the raw one (a -inf target gives a -inf log-prob).
-            hit = in_vocab & (cols == _per_col(target, shape))
+            hit = columns(j) == _per_col(target, shape)
+            if edge:
+                hit = hit & in_vocab
             target_sum = target_sum + jnp.where(
                 hit, stored.astype(jnp.float32), 0.0).sum(axis=1)
             if masked:
                 target_kept = target_kept + jnp.where(hit & keep, ones, 0.0).sum(axis=1)
         return row_max, sum_exp, shifted, kept_max, kept_sum, target_sum, target_kept
 
-    neg = _row_vector(NEG, jnp.float32, config)
-    zero = _row_vector(0.0, jnp.float32, config)
-    # A float32 tile of ones (where(c, 1.0, 0.0) of two Python floats is float64 under x64).
-    ones = _layout(jnp.full(shape, 1.0, jnp.float32), wgmma, config) if with_target else None
-    carry = (neg, zero, zero if with_entropy else None,
-             neg if masked else None, zero if masked else None,
-             zero if with_target else None, zero if with_target and masked else None)
+    def step(indices, *tile_refs_and_carry):
+        (j,) = indices
+        *tile_refs, carry = tile_refs_and_carry
+        return lax.cond(is_edge(j),
+                        lambda c: update(j, tile_refs, c, edge=True),
+                        lambda c: update(j, tile_refs, c, edge=False), carry)
+
     transforms = _transforms(num_vocab, itemsize, block_v)
     specs = [plgpu.BlockSpec(shape, lambda j: (row_block, first_tile + j),
                              transforms=transforms)]
@@ -300,10 +328,39 @@ def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, ite
         specs.append(plgpu.BlockSpec(shape, lambda j: (row_block, first_tile + j),
                                      transforms=mask_transforms))
         gmem.append(mask_ref)
-    pipeline = plgpu.emit_pipeline(step, grid=(per_chunk,), in_specs=specs,
+
+    def run(body, carry):
+        return plgpu.emit_pipeline(body, grid=(per_chunk,), in_specs=specs,
                                    max_concurrent_steps=config.num_stages,
-                                   init_carry=carry)
-    results = [r for r in pipeline(*gmem) if r is not None]
+                                   init_carry=carry)(*gmem)
+
+    neg = _row_vector(NEG, jnp.float32, config)
+    zero = _row_vector(0.0, jnp.float32, config)
+    carry = (neg, zero, zero if with_entropy else None,
+             neg if masked else None, zero if masked else None,
+             zero if with_target else None, zero if with_target and masked else None)
+    row_max, sum_exp, shifted, kept_max, kept_sum, target_sum, target_kept = run(step, carry)
+    if masked:
+        # Relative to the kept maximum; no kept logit: kept_max is NEG, kept_sum 0.
+        gap = (row_max - kept_max) * scale
+        kept_sum = kept_sum * jnp.exp2(jnp.minimum(gap, _SHARED_EXP_GAP))
+        far = (kept_max > NEG) & (gap > _SHARED_EXP_GAP)
+
+        def exact_kept_sum():
+            def kept_step(indices, logits_smem, mask_smem, kept):
+                (j,) = indices
+                _, raw, _ = read_raw(logits_smem, j, edge=True)
+                kept_raw = jnp.where(read_mask(mask_smem), raw, _EXCLUDED)
+                kept_exp = jnp.exp2(kept_raw * scale
+                                    + _per_col(_neg_reference(kept_max * inv_tau), shape))
+                return kept + kept_exp.sum(axis=1)
+            return run(kept_step, zero)
+
+        # CTA-uniform: one row far from its maximum sends the block through the pass.
+        kept_sum = lax.cond(jnp.max(jnp.where(far, zero + 1.0, zero)) > 0,
+                            exact_kept_sum, lambda: kept_sum)
+    results = [r for r in (row_max, sum_exp, shifted, kept_max, kept_sum, target_sum,
+                           target_kept) if r is not None]
     rows = pl.ds(row_block * _ROWS, _ROWS)
     if epilogue:
         results = epilogue[0](results, target)
@@ -442,7 +499,7 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsiz
     wgmma = plgpu.Layout.WGMMA
     mask_transforms, read_mask = _mask_reader(num_vocab, block_v, masked, config)
 
-    def step(indices, *tile_refs):
+    def step(indices, *tile_refs, shared_exp=False):
         (j,) = indices
         if masked:
             logits_smem, mask_smem = tile_refs
@@ -457,9 +514,14 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsiz
         coef = _per_col(coef_sum, shape)
         if entropy:
             coef = coef + _per_col(coef_shifted, shape) * d
-        grad = exp_d * coef
         onehot = cols == _per_col(target, shape)
-        if masked:
+        if masked and shared_exp:  # the kept softmax from the row's exponential
+            keep = read_mask(mask_smem)
+            grad = exp_d * (coef + jnp.where(keep | onehot, _per_col(coef_shared, shape),
+                                             0.0))
+        else:
+            grad = exp_d * coef
+        if masked and not shared_exp:
             keep = read_mask(mask_smem)
             masked_exp = jnp.exp2(raw * scale + _per_col(masked_neg_ref, shape))
             grad = grad + jnp.where(keep | onehot, masked_exp * _per_col(coef_masked, shape),
@@ -486,8 +548,25 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsiz
         in_specs.append(plgpu.BlockSpec(shape, index,
                                         transforms=mask_transforms))
         gmem.append(mask_ref)
-    plgpu.emit_pipeline(step, grid=(per_chunk,), in_specs=in_specs,
-                        max_concurrent_steps=stages)(*gmem)
+
+    def run(body):
+        plgpu.emit_pipeline(body, grid=(per_chunk,), in_specs=in_specs,
+                            max_concurrent_steps=stages)(*gmem)
+
+    if masked:
+        # As in the forward: the kept softmax's exponential is the row's times a per-row
+        # factor where the kept maximum is within _SHARED_EXP_GAP of the row maximum
+        # (rows that keep nothing have coef_masked 0); a block with a row farther off
+        # takes the body with a second exponential (CTA-uniform choice).
+        gap = masked_neg_ref - neg_ref  # (m - kept m) * log2(e) >= 0
+        coef_shared = coef_masked * jnp.exp2(jnp.minimum(gap, _SHARED_EXP_GAP))
+        zero = _row_vector(0.0, jnp.float32, config)
+        far = (gap > _SHARED_EXP_GAP) & (coef_masked != 0.0)
+        lax.cond(jnp.max(jnp.where(far, zero + 1.0, zero)) > 0,
+                 lambda: run(step),
+                 lambda: run(functools.partial(step, shared_exp=True)))
+    else:
+        run(step)
     plgpu.wait_smem_to_gmem(0)
 
 

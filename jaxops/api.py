@@ -17,7 +17,7 @@ def logprob_entropy(
     logits: jax.Array,  # [..., V] (this shard's [..., V_loc] when axis_name is set)
     targets: jax.Array,  # [...] integer global vocabulary ids
     *,
-    keep_mask: jax.Array | None = None,  # [..., V] bool
+    keep_mask: jax.Array | None = None,  # [..., V] bool (or uint8)
     temperature: float = 1.0,
     with_entropy: bool = True,
     entropy_grad: bool = True,
@@ -33,7 +33,11 @@ def logprob_entropy(
       targets: `[...]` integer ids into the (global) vocabulary.
       keep_mask: optional `[..., V]` bool. The log-prob is renormalised over the
         kept tokens plus the target (which always counts); entropy stays over
-        the full vocabulary.
+        the full vocabulary. May be uint8 (nonzero = kept): the Mosaic GPU
+        kernels read bytes, so a bool mask costs them one conversion pass over
+        the mask per kernel (inside a jit that builds the mask, producing uint8
+        lets XLA fuse it into the producer); the other implementations compare
+        a uint8 mask with 0 first.
       temperature: a concrete number > 0.
       with_entropy: if False, no entropy work is done and `entropy` is None.
       entropy_grad: if False, entropy is returned but is a constant for autodiff.
@@ -70,6 +74,8 @@ def logprob_entropy(
     flat_logits = jnp.reshape(logits, (num_tokens, num_vocab))
     flat_targets = jnp.reshape(targets, (num_tokens,))
     flat_mask = None if keep_mask is None else jnp.reshape(keep_mask, (num_tokens, num_vocab))
+    if flat_mask is not None and impl != "pallas_mosaic":
+        flat_mask = flat_mask.astype(jnp.bool_)  # uint8: nonzero = kept; bool: no-op
 
     if impl == "reference":
         log_prob, entropy = logprob_entropy_reference(

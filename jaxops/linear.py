@@ -273,7 +273,7 @@ def linear_logprob_entropy(
     weight: jax.Array,  # [V_loc, H]: this shard's rows of the output layer
     targets: jax.Array,  # [...] integer global vocabulary ids
     *,
-    keep_mask: jax.Array | None = None,  # [..., V_loc] bool
+    keep_mask: jax.Array | None = None,  # [..., V_loc] bool (or uint8)
     temperature: float = 1.0,
     with_entropy: bool = True,
     entropy_grad: bool = True,
@@ -344,7 +344,8 @@ def linear_logprob_entropy(
         return empty, (empty if with_entropy else None)
     flat_hidden = jnp.reshape(hidden, (num_tokens, hidden.shape[-1]))
     flat_targets = jnp.reshape(targets, (num_tokens,))
-    flat_mask = None if keep_mask is None else jnp.reshape(keep_mask, (num_tokens, num_vocab))
+    flat_mask = None if keep_mask is None else jnp.reshape(
+        keep_mask, (num_tokens, num_vocab)).astype(jnp.bool_)  # uint8: nonzero = kept
 
     if impl == "reference":
         log_prob, entropy = logprob_entropy_reference(

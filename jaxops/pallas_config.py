@@ -98,13 +98,17 @@ def mosaic_defaults(config: MosaicConfig, *, itemsize: int, masked: bool,
     """`config` with its `None` fields filled in for one kernel launch.
 
     Shared memory per CTA is num_stages * (tile + mask tile [+ gradient tile]); the
-    defaults keep it near 100-130 KiB, so one or two CTAs fit an SM's 227 KiB."""
+    defaults keep it near 100-130 KiB, so one or two CTAs fit an SM's 227 KiB. The
+    masked forward gets at most 96 KiB, so that two CTAs share an SM: on the H200 at
+    T = 8192, V = 151,936 (benchmarks/results/h200_mosaic_tune.json) bf16 with 5 stages
+    (120 KiB, one CTA per SM) took 1.26 ms, with 2-4 stages 0.94-0.97 ms."""
     block_v = config.block_v or 128
     if block_v % 64 or block_v <= 0:
         raise ValueError(f"block_v must be a positive multiple of 64, got {block_v}")
     tile = 64 * block_v * itemsize
     per_stage = tile * (2 if backward else 1) + (64 * block_v if masked else 0)
-    num_stages = config.num_stages or max(2, min(6, (128 * 1024) // per_stage))
+    budget = (96 if masked and not backward else 128) * 1024
+    num_stages = config.num_stages or max(2, min(6, budget // per_stage))
     return dataclasses.replace(
         config, block_v=block_v, num_stages=num_stages,
         chunk_v=config.chunk_v or 4096)

@@ -169,6 +169,11 @@ def _mask_bytes(keep_mask):
     return keep_mask.astype(jnp.uint8)
 
 
+def _mask_bool(keep_mask):
+    """A uint8 keep mask (nonzero = kept) as bool, for the XLA fallback."""
+    return None if keep_mask is None else keep_mask.astype(jnp.bool_)
+
+
 def _chunking(num_vocab: int, block_v: int, chunk_v: int):
     """(tiles, chunks, tiles per chunk): a function of V_loc and the config only,
     never of T (batch invariance).
@@ -400,8 +405,8 @@ def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
             _warn_fallback(f"logits [{num_tokens}, {num_vocab}] {logits.dtype}")
         from jaxops import xla
 
-        return xla.forward_stats(logits, local_targets, keep_mask, inv_tau=inv_tau,
-                                 with_entropy=with_entropy)
+        return xla.forward_stats(logits, local_targets, _mask_bool(keep_mask),
+                                 inv_tau=inv_tau, with_entropy=with_entropy)
     config = mosaic_defaults(config or MosaicConfig(), itemsize=itemsize, masked=masked,
                              backward=False)
     inv_tau = float(inv_tau)
@@ -446,7 +451,8 @@ def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
         kept_max, kept_sum, _ = _combine(
             [(kept_max[c], kept_sum[c], None) for c in range(chunks)], inv_tau)
         # The target always counts as kept: fold it in where its mask bit is off.
-        target_alone = on_shard & ~jnp.take_along_axis(keep_mask, safe_target, axis=1)[:, 0]
+        target_kept = jnp.take_along_axis(keep_mask, safe_target, axis=1)[:, 0] != 0
+        target_alone = on_shard & ~target_kept
         target_raw = jnp.where(target_alone, jnp.maximum(raw_target, _EXCLUDED), _EXCLUDED)
         total_max, total_sum, _ = _combine(
             [(kept_max, kept_sum, None),
@@ -582,8 +588,8 @@ def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
             _warn_fallback(f"logits [{num_tokens}, {num_vocab}] {logits.dtype}")
         from jaxops import xla
 
-        return xla.backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
-                                   coefs, inv_tau=inv_tau)
+        return xla.backward_logits(logits, local_targets, _mask_bool(keep_mask), max_logit,
+                                   masked_max, coefs, inv_tau=inv_tau)
     config = mosaic_defaults(config or MosaicConfig(), itemsize=itemsize, masked=masked,
                              backward=True)
     inv_tau = float(inv_tau)

@@ -30,7 +30,7 @@ def check_array(name, x):
 
 def check_inputs(logits, targets, keep_mask, implementation: str):
     """Types, dtypes and shapes of the arrays: `logits [..., V]` (V >= 1) in a dtype
-    `implementation` takes, integer `targets [...]`, bool `keep_mask [..., V]` or None."""
+    `implementation` takes, integer `targets [...]`, bool (or uint8) `keep_mask [..., V]` or None."""
     check_array("logits", logits)
     check_array("targets", targets)
     allowed = _KERNEL_DTYPES + ((jnp.float64,) if implementation == "reference" else ())
@@ -48,8 +48,9 @@ def check_inputs(logits, targets, keep_mask, implementation: str):
             f"got {tuple(targets.shape)}")
     if keep_mask is not None:
         check_array("keep_mask", keep_mask)
-        if jnp.dtype(keep_mask.dtype) != jnp.dtype(jnp.bool_):
-            raise TypeError(f"keep_mask must be bool, got dtype {jnp.dtype(keep_mask.dtype).name}")
+        if jnp.dtype(keep_mask.dtype) not in (jnp.dtype(jnp.bool_), jnp.dtype(jnp.uint8)):
+            raise TypeError("keep_mask must be bool (or uint8, nonzero = kept), got dtype "
+                            f"{jnp.dtype(keep_mask.dtype).name}")
         if tuple(keep_mask.shape) != tuple(logits.shape):
             raise ValueError(
                 f"keep_mask must have the logits' shape {tuple(logits.shape)}, "

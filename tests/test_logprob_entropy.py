@@ -18,6 +18,7 @@ import os
 import re
 import subprocess
 import sys
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -30,7 +31,7 @@ from jax.test_util import check_grads
 
 import jaxops
 from jaxops import staged
-from jaxops.pallas_config import with_tuned_defaults
+from jaxops.pallas_config import MosaicConfig, with_tuned_defaults
 
 from _oracle import (  # the one float64 oracle and tolerance table (re-exported for other tests)
     VALUE_RTOL,
@@ -443,6 +444,49 @@ def test_mask_keeps_only_the_target(implementation, mask):
     assert entropy is None
     limit = grad_rtol(F32) * np.abs(np.asarray(g_lp))[:, None] / BASE_TAU
     assert np.all(np.abs(np.asarray(grad)) <= limit), np.abs(np.asarray(grad)).max(axis=-1)
+
+
+@pytest.mark.parametrize("implementation,num_vocab", [
+    ("pallas", BASE_V), ("xla", BASE_V), ("reference", BASE_V),
+    ("pallas_mosaic", 1040),  # V % 16 == 0: the kernels read the uint8 mask in place
+    ("pallas_mosaic", BASE_V),  # the Mosaic path's XLA fallback
+])
+def test_uint8_mask_is_the_bool_mask(implementation, num_vocab):
+    """A uint8 keep mask (any nonzero byte = kept) gives bit for bit what the bool mask
+    gives: outputs and gradient, with and without entropy."""
+    logits, targets, keep_mask = make_inputs(6, BASE_LEAD, num_vocab, mask="mixed")
+    rng = np.random.default_rng(6)
+    # Kept entries as 1, 2, 128 or 255 (even and odd bytes): nonzero is what counts.
+    as_bytes = jnp.asarray(np.asarray(keep_mask) * rng.choice([1, 2, 128, 255], keep_mask.shape),
+                           jnp.uint8)
+    g_lp, g_h = random_cotangents(6, BASE_LEAD)
+    config = (MosaicConfig(interpret=not ON_GPU, chunk_v=512)
+              if implementation == "pallas_mosaic" else None)
+    for with_entropy in (True, False):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # the fallback says so
+            want = op_with_vjp_jit(logits, targets, keep_mask, g_lp, g_h, temperature=BASE_TAU,
+                                   with_entropy=with_entropy, entropy_grad=True,
+                                   implementation=implementation, pallas_config=config)
+            got = op_with_vjp_jit(logits, targets, as_bytes, g_lp, g_h, temperature=BASE_TAU,
+                                  with_entropy=with_entropy, entropy_grad=True,
+                                  implementation=implementation, pallas_config=config)
+        for name, a, b in zip(("log_prob", "entropy", "grad"), got, want):
+            if b is not None:
+                np.testing.assert_array_equal(a, b, err_msg=name)
+    # A different keep set does change the result (the comparison above can fail).
+    other = op_with_vjp_jit(logits, targets, jnp.zeros_like(as_bytes), g_lp, g_h,
+                            temperature=BASE_TAU, with_entropy=True, entropy_grad=True,
+                            implementation=implementation, pallas_config=config)
+    assert not np.array_equal(other[0], want[0])
+
+
+def test_other_mask_dtypes_are_refused():
+    logits, targets, keep_mask = make_inputs(6, BASE_LEAD, BASE_V, mask="random")
+    for dtype in (jnp.int32, jnp.int8, jnp.float32):
+        with pytest.raises(TypeError, match="keep_mask must be bool"):
+            jaxops.logprob_entropy(logits, targets, keep_mask=keep_mask.astype(dtype),
+                                   implementation="xla")
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)

@@ -453,7 +453,8 @@ def test_mask_keeps_only_the_target(implementation, mask):
 ])
 def test_uint8_mask_is_the_bool_mask(implementation, num_vocab):
     """A uint8 keep mask (any nonzero byte = kept) gives bit for bit what the bool mask
-    gives: outputs and gradient, with and without entropy."""
+    gives (the reference: to float32 rounding): outputs and gradient, with and without
+    entropy."""
     logits, targets, keep_mask = make_inputs(6, BASE_LEAD, num_vocab, mask="mixed")
     rng = np.random.default_rng(6)
     # Kept entries as 1, 2, 128 or 255 (even and odd bytes): nonzero is what counts.
@@ -472,7 +473,13 @@ def test_uint8_mask_is_the_bool_mask(implementation, num_vocab):
                                   with_entropy=with_entropy, entropy_grad=True,
                                   implementation=implementation, pallas_config=config)
         for name, a, b in zip(("log_prob", "entropy", "grad"), got, want):
-            if b is not None:
+            if b is None:
+                continue
+            if implementation == "reference":
+                # Plain jnp: on the GPU, XLA fuses the uint8 -> bool conversion into the
+                # graph and may round a float32 differently (seen: 1 ulp).
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7, err_msg=name)
+            else:
                 np.testing.assert_array_equal(a, b, err_msg=name)
     # A different keep set does change the result (the comparison above can fail).
     other = op_with_vjp_jit(logits, targets, jnp.zeros_like(as_bytes), g_lp, g_h,

@@ -11,7 +11,8 @@ cases (what bench measures), impls (the implementations), runner (one case: inpu
 timing, memory), bench (the CLI), report and plot (tables and the plot from the JSON),
 tune, profile_kernels, gpu_smoke, bridge_overhead (kernel tuning and device checks);
 host_direct, host_interleaved (the bridge's direct route: host cost); kernel_asm (the
-Mosaic kernels as text, to check that a refactor changes none). NOTES.md is the lab
+Mosaic kernels as text, to check that a refactor changes none); mosaic_tune (the Mosaic
+kernels alone over configs, or the API with uint8 / bool masks). NOTES.md is the lab
 notebook.
 
 Entry scripts run by path (`python benchmarks/bench.py`) start with the same guarded

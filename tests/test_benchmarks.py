@@ -22,7 +22,7 @@ from benchmarks import bench, cases, harness, report  # stdlib-only at import ti
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(REPO, "benchmarks")
 ENTRY_SCRIPTS = ("bench", "report", "plot", "tune", "profile_kernels", "gpu_smoke",
-                 "bridge_overhead", "kernel_asm")
+                 "bridge_overhead", "kernel_asm", "mosaic_tune")
 
 
 def _run(*args, timeout=900, cwd=REPO, pythonpath=True):
@@ -381,3 +381,19 @@ def test_kernel_asm_sees_a_kernel_change(monkeypatch):
     assert "loc(" not in first and len(first) > 1000
     assert partials_text(config) == first
     assert partials_text(config, inv_tau=1 / 0.9) != first
+
+
+def test_mosaic_tune_measures_and_checks(monkeypatch):
+    """benchmarks/mosaic_tune.py on CPU (kernels interpreted, a small vocabulary): a
+    kernel row carries its check against XLA, an API row its times."""
+    import jax.numpy as jnp
+
+    from benchmarks import mosaic_tune
+    from jaxops.pallas_config import MosaicConfig
+
+    monkeypatch.setattr(mosaic_tune, "V", 1040)
+    row = mosaic_tune.run_case(70, jnp.float32, True,
+                               MosaicConfig(interpret=True, chunk_v=512), bandwidth=1e9)
+    assert row["max_lse_err"] < 1e-4 and row["fwd_ms"] > 0 and row["bwd_ms"] > 0
+    api = mosaic_tune.api_case(jnp.float32, False, jnp.uint8, bandwidth=1e9, num_tokens=70)
+    assert api["mask"] == "uint8" and api["fwd_ms"] > 0 and api["fb_ms"] > 0

@@ -56,7 +56,7 @@ def vocab_parallel_logprob_entropy(
     mesh,
     vocab_axis: str,
     token_axis=None,
-    keep_mask: jax.Array | None = None,  # [..., V] bool
+    keep_mask: jax.Array | None = None,  # [..., V] bool or uint8 (nonzero = kept)
     temperature: float = 1.0,
     with_entropy: bool = True,
     entropy_grad: bool = True,

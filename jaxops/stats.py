@@ -29,7 +29,7 @@ from jaxops.pallas_config import PallasConfig
 def local_stats(
     logits: jax.Array,  # [T, V_loc] float32 | bfloat16 | float16
     local_targets: jax.Array,  # [T] int32, index into this shard (may be out of range)
-    keep_mask: jax.Array | None,  # [T, V_loc] bool or None
+    keep_mask: jax.Array | None,  # [T, V_loc] bool (pallas_mosaic: or uint8) or None
     inv_tau: float,
     with_entropy: bool,
     entropy_grad: bool,

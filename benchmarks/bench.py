@@ -5,6 +5,7 @@ One run, one device, every implementation side by side (docs/design.md §7, §8,
 
   jaxops-pallas_triton  this project's op, Pallas kernels lowered through Triton   (jax.jit)
   jaxops-pallas_mosaic  the same through Mosaic GPU (Hopper)                       (jax.jit)
+  jaxops-pallas_mosaic-u8  the same, the keep mask handed over as uint8 (masked cases) (jax.jit)
   jaxops-pallas   implementation="pallas", an alias of one backend (Triton for now); run
                   only when --filter names it (impl=jaxops-pallas), else it would time
                   the same kernels twice

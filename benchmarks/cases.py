@@ -12,7 +12,10 @@ from benchmarks.harness import BOOL
 # GPU; "jaxops-pallas" is implementation="pallas", an alias of one of them (Triton for
 # now), so it runs only when a --filter names it exactly: by default it would time the
 # same kernels twice.
-PALLAS_IMPLS = ("jaxops-pallas_triton", "jaxops-pallas_mosaic", "jaxops-pallas")
+# "jaxops-pallas_mosaic-u8" is the Mosaic backend handed the keep mask as uint8 (which it
+# reads in place; a bool mask costs it an XLA conversion pass): masked cases only.
+MOSAIC_U8 = "jaxops-pallas_mosaic-u8"
+PALLAS_IMPLS = ("jaxops-pallas_triton", "jaxops-pallas_mosaic", MOSAIC_U8, "jaxops-pallas")
 ALIAS_IMPLS = ("jaxops-pallas",)
 IMPLS = PALLAS_IMPLS + ("jaxops-xla", "bridge", "jax-jit", "torch-compile", "torch-eager",
                         "megatron")  # every name --filter impl= knows, in run order
@@ -134,8 +137,11 @@ def build_cases(mode, filters):
         for impl in IMPLS:
             for dtype, entropy, mask in combos:
                 case = Case(impl, dtype, T, V, entropy, mask)
+                if impl == MOSAIC_U8 and not mask:
+                    continue  # the same call as jaxops-pallas_mosaic's
+                once = ("bfloat16", True, True) if impl == MOSAIC_U8 else ("float32", False, False)
                 if (mode == "tiny" and impl in PALLAS_IMPLS and "impl" not in filters
-                        and ((dtype, entropy, mask) != ("float32", False, False)
+                        and ((dtype, entropy, mask) != once
                              or any(c.impl == impl for c in cases))):
                     # Interpret mode is slow (CPU): once per backend; the op's tests cover it.
                     continue

@@ -150,7 +150,8 @@ class Implementations:
         tau = self.tau
         if case.impl.startswith("jaxops-"):
             import jaxops
-            impl = case.impl.split("-", 1)[1]  # pallas, pallas_triton, pallas_mosaic, xla
+            # pallas, pallas_triton, pallas_mosaic (-u8: the runner's mask is uint8), xla
+            impl = case.impl.split("-")[1]
             # Each backend its own config class (jaxops' resolve() would keep only the
             # interpret flag of the other one's); None: the backend's defaults.
             config = {"pallas": self.pallas_config, "pallas_triton": self.pallas_config,

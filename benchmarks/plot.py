@@ -25,7 +25,8 @@ from benchmarks.harness import roofline_bytes, roofline_ms
 
 STYLE = {  # colour, marker; the Pallas backends (report.PALLAS_ORDER) apart at a glance
     "jaxops-pallas": ("tab:pink", "*"), "jaxops-pallas_triton": ("tab:red", "o"),
-    "jaxops-pallas_mosaic": ("tab:cyan", "P"), "jaxops-xla": ("tab:orange", "s"),
+    "jaxops-pallas_mosaic": ("tab:cyan", "P"), "jaxops-pallas_mosaic-u8": ("tab:blue", "P"),
+    "jaxops-xla": ("tab:orange", "s"),
     "bridge": ("tab:purple", "D"), "jax-jit": ("tab:blue", "^"),
     "torch-compile": ("tab:green", "v"), "torch-eager": ("tab:olive", "<"),
     "megatron": ("tab:brown", ">"),

@@ -26,12 +26,15 @@ START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 # anchor time / its time): the "pallas" alias where measured (what callers get), else the
 # Triton backend, else Mosaic. The other backends present get their own time and
 # x roofline columns, and count as anchors in `speedups`.
-PALLAS_ORDER = ("jaxops-pallas", "jaxops-pallas_triton", "jaxops-pallas_mosaic")
+PALLAS_ORDER = ("jaxops-pallas", "jaxops-pallas_triton", "jaxops-pallas_mosaic",
+                "jaxops-pallas_mosaic-u8")
 OURS = PALLAS_ORDER[0]  # where no row names a Pallas backend
 ANCHOR_ORDER = ("jaxops-xla", "bridge", "jax-jit", "torch-compile", "torch-eager", "megatron")
 IMPL_ORDER = PALLAS_ORDER + ANCHOR_ORDER
 LABEL = {"jaxops-pallas": "jaxops (Pallas)", "jaxops-pallas_triton": "jaxops (Pallas Triton)",
-         "jaxops-pallas_mosaic": "jaxops (Pallas Mosaic)", "jaxops-xla": "jaxops (XLA)",
+         "jaxops-pallas_mosaic": "jaxops (Pallas Mosaic)",
+         "jaxops-pallas_mosaic-u8": "jaxops (Pallas Mosaic, uint8 mask)",
+         "jaxops-xla": "jaxops (XLA)",
          "bridge": "bridge (torch → jaxops)", "jax-jit": "jax.jit", "torch-compile": "torch.compile",
          "torch-eager": "torch eager", "megatron": "Megatron fused CE"}
 DT = {"float32": "fp32", "bfloat16": "bf16"}

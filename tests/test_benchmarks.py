@@ -8,6 +8,7 @@ and that the generated markdown lands between the README markers.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -104,15 +105,21 @@ def test_filters_select_cases():
     selected = cases.build_cases("quick", filters)
     # A glob means both Pallas backends; the "pallas" alias only when named exactly.
     assert {c.impl for c in selected} == {"jaxops-pallas_triton", "jaxops-pallas_mosaic",
-                                          "jaxops-xla", "megatron"}
+                                          cases.MOSAIC_U8, "jaxops-xla", "megatron"}
     alias = cases.build_cases("quick", cases.parse_filters(["impl=jaxops-pallas"]))
     assert alias and {c.impl for c in alias} == {"jaxops-pallas"}
     # Default: both backends, each at every size, next to every baseline, no alias.
     quick = cases.build_cases("quick", {})
     assert {c.impl for c in quick} == set(cases.DEFAULT_IMPLS)
     assert "jaxops-pallas" not in cases.DEFAULT_IMPLS
+    per_impl = sum(c.impl == "jaxops-xla" for c in quick)
     for impl in ("jaxops-pallas_triton", "jaxops-pallas_mosaic"):
-        assert sum(c.impl == impl for c in quick) == len(quick) // len(cases.DEFAULT_IMPLS)
+        assert sum(c.impl == impl for c in quick) == per_impl
+    # The uint8-mask variant: exactly the masked cases, with the Mosaic backend's keys.
+    u8 = [c for c in quick if c.impl == cases.MOSAIC_U8]
+    assert u8 and all(c.mask for c in u8)
+    assert ({dataclasses.replace(c, impl="jaxops-pallas_mosaic") for c in u8}
+            == {c for c in quick if c.impl == "jaxops-pallas_mosaic" and c.mask})
     assert all(c.dtype == "bfloat16" and c.T == 8192 for c in selected)
     assert {c.V for c in selected} == {151_936, 151_936 // 8}
     selected = cases.build_cases("full", cases.parse_filters(["entropy=no;mask=yes"]))
@@ -135,9 +142,9 @@ def test_entry_scripts_run_by_path_and_as_modules(tmp_path):
         out = _run(os.path.join(BENCH_DIR, f"{name}.py"), "--help", cwd=tmp_path,
                    pythonpath=False)
         assert "usage:" in out, name
-    assert _run("-m", "benchmarks.bench", "--dry-run", "--tiny").endswith("32 cases (tiny)\n")
+    assert _run("-m", "benchmarks.bench", "--dry-run", "--tiny").endswith("33 cases (tiny)\n")  # 33: one uint8-mask Mosaic case
     assert _run(os.path.join(BENCH_DIR, "bench.py"), "--dry-run", "--tiny", cwd=tmp_path,
-                pythonpath=False).endswith("32 cases (tiny)\n")
+                pythonpath=False).endswith("33 cases (tiny)\n")  # 33: one uint8-mask Mosaic case
 
 
 def test_readme_table_is_the_committed_json():
@@ -200,8 +207,8 @@ def test_tiny_run_has_every_row(tiny_results):
 
     # The bridge must run: PyTorch is installed (the fixture skips otherwise), so a bridge
     # that fails to import is broken, and its row says "error: ...", which fails here.
-    must_run = {"jaxops-pallas_triton", "jaxops-pallas_mosaic", "jaxops-xla", "jax-jit",
-                "torch-eager", "bridge"}
+    must_run = {"jaxops-pallas_triton", "jaxops-pallas_mosaic", cases.MOSAIC_U8, "jaxops-xla",
+                "jax-jit", "torch-eager", "bridge"}
     if _module_available("megatron.core"):
         must_run.add("megatron")
     for key, row in rows.items():
@@ -227,8 +234,15 @@ def test_tiny_run_has_every_row(tiny_results):
         assert math.isfinite(row["lp_mean"]) and row["lp_mean"] < 0
         if row["entropy"]:
             assert row["h_mean"] > 0
-        if impl.startswith("jaxops-pallas"):  # the kernels ran, no fallback to XLA
-            assert not row.get("fwd_warnings") and not row.get("fb_warnings"), key
+        if impl.startswith("jaxops-pallas"):  # the kernels ran, no fallback to XLA (but:)
+            if impl == cases.MOSAIC_U8:
+                # Tiny's V = 1000 is no multiple of 16: the masked Mosaic call falls back
+                # to XLA, and says so (the kernels' uint8 path: test_logprob_entropy).
+                for phase in ("fwd", "fb"):
+                    assert all("XLA implementation instead" in w
+                               for w in row.get(f"{phase}_warnings") or []), key
+            else:
+                assert not row.get("fwd_warnings") and not row.get("fb_warnings"), key
         if row["framework"] == "jax":  # buffer assignment: the gradient is an output
             assert row["fb_peak_extra_bytes"] >= row["grad_bytes"]
     ours = [s for s in results["speedups"] if s["fb"] is not None]

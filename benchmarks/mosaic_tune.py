@@ -9,10 +9,11 @@ and tile width (shared memory per CTA decides how many CTAs share an SM), and un
 bf16 at T = 1024 over the chunk width (CTAs in the grid). Each variant's masked
 log-sum-exp is checked against the XLA implementation first. `--api` times instead the
 public op (`jaxops.logprob_entropy`, implementation "pallas_mosaic", default config) at
-T = 8192, V = 151,936, forward and forward+backward, with no mask, a bool mask and a uint8
-mask (a bool mask costs the Mosaic kernels a bool -> uint8 pass per kernel). Times: median of 5 rounds
-of 20 back-to-back calls over 2 input sets (harness.time_calls); x roof: the kernel's
-own HBM bytes / the copy bandwidth measured in the same run.
+T = 8192, V = 151,936, forward and forward+backward, with no mask, a bool mask and a
+uint8 mask (a bool mask costs the Mosaic kernels a bool -> uint8 pass per kernel).
+Times: median of 5 rounds of 20 back-to-back calls over 2 input sets
+(harness.time_calls); x roof: harness.roofline_bytes / the copy bandwidth measured in
+the same run.
 """
 if __name__ == "__main__" and not __package__:  # run by path: see benchmarks/__init__.py
     import os, sys  # noqa: E401
@@ -70,10 +71,8 @@ def run_case(num_tokens, dtype, masked, config, bandwidth):
     bsets = [(x, y, m, stats.max_logit, stats.masked_max) for x, y, m in sets]
     t_f = harness.time_calls(fwd, sets, reps=5, calls=20, sync=jax.block_until_ready).seconds
     t_b = harness.time_calls(bwd, bsets, reps=5, calls=20, sync=jax.block_until_ready).seconds
-    item = jnp.dtype(dtype).itemsize
-    big = num_tokens * V
-    fwd_bytes = big * (item + masked)
-    bwd_bytes = big * (2 * item + masked)
+    fwd_bytes, fb_bytes = harness.roofline_bytes(jnp.dtype(dtype).name, num_tokens, V, masked)
+    bwd_bytes = fb_bytes - fwd_bytes
     return dict(T=num_tokens, dtype=jnp.dtype(dtype).name, masked=masked,
                 config={k: v for k, v in dataclasses.asdict(config).items() if v is not None},
                 fwd_ms=t_f * 1e3, bwd_ms=t_b * 1e3,
@@ -114,9 +113,8 @@ def api_case(dtype, with_entropy, mask_dtype, bandwidth, num_tokens=8192):
     fwd, fb = jax.jit(op), jax.jit(jax.grad(loss))
     t_f = harness.time_calls(fwd, sets, reps=5, calls=20, sync=jax.block_until_ready).seconds
     t_b = harness.time_calls(fb, sets, reps=5, calls=20, sync=jax.block_until_ready).seconds
-    item, masked = jnp.dtype(dtype).itemsize, mask_dtype is not None
-    big = num_tokens * V
-    fwd_bytes, fb_bytes = big * (item + masked), big * (3 * item + 2 * masked)
+    fwd_bytes, fb_bytes = harness.roofline_bytes(jnp.dtype(dtype).name, num_tokens, V,
+                                                 mask_dtype is not None)
     return dict(api=True, T=num_tokens, dtype=jnp.dtype(dtype).name, entropy=with_entropy,
                 mask=None if mask_dtype is None else jnp.dtype(mask_dtype).name,
                 fwd_ms=t_f * 1e3, fb_ms=t_b * 1e3, fwd_x_roof=t_f * bandwidth / fwd_bytes,

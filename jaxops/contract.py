@@ -12,9 +12,10 @@ An implementation module supplies two functions:
 
 `logits` is this shard's `[T, V_loc]` (float32, bfloat16 or float16), `local_targets`
 `[T]` int32 indices into the shard (out of range: the target lives elsewhere),
-`keep_mask` `[T, V_loc]` bool (uint8, nonzero = kept, for "pallas_mosaic") or None, and `config` the implementation's launch
-parameters (a `PallasConfig` for "pallas"; ignored by "xla"). `max_logit` and
-`masked_max` are the forward's fields of the same names. The backward computes,
+`keep_mask` `[T, V_loc]` bool (uint8, nonzero = kept, for "pallas_mosaic") or None, and
+`config` the implementation's launch parameters (a `PallasConfig` for "pallas"; ignored
+by "xla"). `max_logit` and `masked_max` are the forward's fields of the same names. The
+backward computes,
 per element (x = logits * inv_tau, m = max_logit, r = masked_max, e = exp(x - m)):
 
   dx_j = e_j * (coef_sum + coef_shifted * (x_j - m))            # entropy, LSE

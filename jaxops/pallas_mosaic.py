@@ -136,6 +136,13 @@ def _per_col(row_vec, shape):
     return lax.broadcast_in_dim(row_vec, shape, (0,))
 
 
+def _any_row(flags, zero):
+    """Whether any of the block's rows is flagged (`flags`: bool [64] in the rows
+    layout; `zero`: a float32 row vector of 0.0): one value for the whole CTA, so a
+    branch on it is uniform."""
+    return jnp.max(jnp.where(flags, zero + 1.0, zero)) > 0
+
+
 # --- shapes, tiles, chunks ---------------------------------------------------------------
 
 def _supported(num_vocab: int, itemsize: int, masked: bool) -> bool:
@@ -363,9 +370,8 @@ def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, ite
                 return kept + kept_exp.sum(axis=1)
             return run(kept_step, zero)
 
-        # CTA-uniform: one row far from its maximum sends the block through the pass.
-        kept_sum = lax.cond(jnp.max(jnp.where(far, zero + 1.0, zero)) > 0,
-                            exact_kept_sum, lambda: kept_sum)
+        # One row far from its maximum sends the block through the pass.
+        kept_sum = lax.cond(_any_row(far, zero), exact_kept_sum, lambda: kept_sum)
     results = [r for r in (row_max, sum_exp, shifted, kept_max, kept_sum, target_sum,
                            target_kept) if r is not None]
     rows = pl.ds(row_block * _ROWS, _ROWS)
@@ -529,11 +535,11 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsiz
                                              0.0))
         else:
             grad = exp_d * coef
-        if masked and not shared_exp:
-            keep = read_mask(mask_smem)
-            masked_exp = jnp.exp2(raw * scale + _per_col(masked_neg_ref, shape))
-            grad = grad + jnp.where(keep | onehot, masked_exp * _per_col(coef_masked, shape),
-                                    0.0)
+            if masked:
+                keep = read_mask(mask_smem)
+                masked_exp = jnp.exp2(raw * scale + _per_col(masked_neg_ref, shape))
+                grad = grad + jnp.where(keep | onehot,
+                                        masked_exp * _per_col(coef_masked, shape), 0.0)
         grad = grad + jnp.where(onehot, _per_col(coef_target, shape), 0.0)
         # The gradient's own ring of `stages` SMEM slots: the slot written now was
         # last stored stages steps ago; wait until that TMA store has read it.
@@ -570,7 +576,7 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsiz
         coef_shared = coef_masked * jnp.exp2(jnp.minimum(gap, _SHARED_EXP_GAP))
         zero = _row_vector(0.0, jnp.float32, config)
         far = (gap > _SHARED_EXP_GAP) & (coef_masked != 0.0)
-        lax.cond(jnp.max(jnp.where(far, zero + 1.0, zero)) > 0,
+        lax.cond(_any_row(far, zero),
                  lambda: run(step),
                  lambda: run(functools.partial(step, shared_exp=True)))
     else:

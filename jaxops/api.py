@@ -36,7 +36,7 @@ def logprob_entropy(
         the full vocabulary. May be uint8 (nonzero = kept): the Mosaic GPU
         kernels read bytes, so a bool mask costs them one conversion pass over
         the mask per kernel (inside a jit that builds the mask, producing uint8
-        lets XLA fuse it into the producer); the other implementations compare
+        can let XLA fuse it into the producer); the other implementations compare
         a uint8 mask with 0 first.
       temperature: a concrete number > 0.
       with_entropy: if False, no entropy work is done and `entropy` is None.

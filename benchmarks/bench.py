@@ -6,9 +6,9 @@ One run, one device, every implementation side by side (docs/design.md §7, §8,
   jaxops-pallas_triton  this project's op, Pallas kernels lowered through Triton   (jax.jit)
   jaxops-pallas_mosaic  the same through Mosaic GPU (Hopper)                       (jax.jit)
   jaxops-pallas_mosaic-u8  the same, the keep mask handed over as uint8 (masked cases) (jax.jit)
-  jaxops-pallas   implementation="pallas", an alias of one backend (Triton for now); run
-                  only when --filter names it (impl=jaxops-pallas), else it would time
-                  the same kernels twice
+  jaxops-pallas   implementation="pallas": per call the backend measured faster for its
+                  shapes (jaxops.implementations.pallas_backend); run only when --filter
+                  names it (impl=jaxops-pallas), else it would time the same kernels twice
   jaxops-xla      this project's op, statistics in fused jnp   (jax.jit)
   bridge          the op called from PyTorch through `bridge.logprob_entropy`
   jax-jit         jax.jit(log_softmax + take + entropy), plain XLA
@@ -69,8 +69,8 @@ def build_parser():
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Implementations: " + ", ".join(IMPLS) + " (jaxops-pallas, an alias of one "
-               "backend, only when --filter impl= names it)")
+        epilog="Implementations: " + ", ".join(IMPLS) + " (jaxops-pallas, per call one of the "
+               "two Pallas backends, only when --filter impl= names it)")
     add = parser.add_argument
     add("--device-name", default=None,
         help="results name, e.g. h200 (default: from the GPU name, or 'cpu')")
@@ -96,9 +96,9 @@ def build_parser():
     add("--temperature", type=float, default=1.0,
         help="tau (1.0: Megatron, which takes none, computes the same thing)")
     add("--pallas-config", default="",
-        help="PallasConfig fields for the Triton kernels (jaxops-pallas_triton and the "
-             "jaxops-pallas alias), e.g. block_v=4096,num_warps=8,prefetch=1; the Mosaic "
-             "kernels ignore it")
+        help="PallasConfig fields for the Triton kernels (jaxops-pallas_triton; for "
+             "jaxops-pallas, non-default fields pin it to Triton), e.g. "
+             "block_v=4096,num_warps=8,prefetch=1; the Mosaic kernels ignore it")
     add("--mosaic-config", default="",
         help="MosaicConfig fields for jaxops-pallas_mosaic, e.g. block_v=256,num_stages=4,"
              "chunk_v=4096 (approx_math takes 0/1)")

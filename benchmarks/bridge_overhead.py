@@ -99,9 +99,10 @@ def breakdown(device, calls):
     return res
 
 
-def staged_fns(impl, dev, *, with_entropy, target_mode):
+def staged_fns(impl, dev, *, with_entropy, target_mode, logits):
     """The bridge's own jitted (forward, backward) pair for one unmasked shard, temperature 1."""
-    implementation, config = _run.implementation_for(impl, dev)
+    implementation, config = _run.implementation_for(
+        impl, dev, num_vocab=logits.shape[-1], itemsize=logits.element_size())
     fwd = _jaxfns.local_forward(shard_index=0, world=1, inv_tau=1.0, with_entropy=with_entropy,
                                 masked=False, implementation=implementation, config=config,
                                 target_mode=target_mode)
@@ -135,7 +136,7 @@ def ladder(device, impl, calls, num_tokens=16, num_vocab=1024):
     y = torch.randint(0, num_vocab, (num_tokens,), device=device)
     y32 = y.view(torch.int32)  # int64 ids as int32 pairs, as the bridge passes them
     d = torch.randn(num_tokens, 2, device=device)  # token-major, as the bridge passes them
-    fwd, bwd = staged_fns(impl, dev, with_entropy=True, target_mode="i64")
+    fwd, bwd = staged_fns(impl, dev, with_entropy=True, target_mode="i64", logits=x)
     xfer = dev.begin()
     jx, jy, jd = xfer.to_jax(x), xfer.to_jax(y32), xfer.to_jax(d)
     ox, oy, od = jnp.array(jx), jnp.array(jy), jnp.array(jd)
@@ -254,7 +255,7 @@ def scenario(device, T, V, dtype, with_entropy, calls, impl, do_compile, do_naiv
 
     res["jax"] = timeit(lambda: jax_fb(jx, jy, jg1, jg2), device, calls)
 
-    fwd, bwd = staged_fns(impl, dev, with_entropy=with_entropy, target_mode="i32")
+    fwd, bwd = staged_fns(impl, dev, with_entropy=with_entropy, target_mode="i32", logits=x)
 
     # token-major incoming gradients, as the bridge passes them
     jd = jnp.stack([jg1, jg2], axis=1) if with_entropy else jg1[:, None]

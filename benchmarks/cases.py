@@ -9,9 +9,9 @@ import fnmatch
 from benchmarks.harness import BOOL
 
 # The op's Pallas kernels, per backend (issue 14 times both in one run): Triton and Mosaic
-# GPU; "jaxops-pallas" is implementation="pallas", an alias of one of them (Triton for
-# now), so it runs only when a --filter names it exactly: by default it would time the
-# same kernels twice.
+# GPU; "jaxops-pallas" is implementation="pallas", per call one of them
+# (`jaxops.implementations.pallas_backend`), so it runs only when a --filter names it
+# exactly: by default it would time the same kernels twice.
 # "jaxops-pallas_mosaic-u8" is the Mosaic backend handed the keep mask as uint8 (which it
 # reads in place; a bool mask costs it an XLA conversion pass): masked cases only.
 MOSAIC_U8 = "jaxops-pallas_mosaic-u8"

@@ -11,7 +11,7 @@ import jax, jax.numpy as jnp  # noqa: E401
 import jaxops
 from benchmarks import harness
 
-def check(T, V, dtype, masked, tau, with_entropy=True, entropy_grad=True, impl="pallas", config=None):
+def check(T, V, dtype, masked, tau, with_entropy=True, entropy_grad=True, impl="pallas_triton", config=None):
     rng = np.random.default_rng(T * 7 + V)
     x = jnp.asarray(rng.normal(size=(T, V)) * 4, dtype)
     y = jnp.asarray(rng.integers(0, V, T), jnp.int32)
@@ -68,7 +68,7 @@ def main():
         y = jnp.asarray(rng.integers(0, V, T), jnp.int32)
         nbytes, fb_bytes = harness.roofline_bytes(dt.__name__, T, V, False)
         roof_f, roof_fb = harness.roofline_ms(nbytes, bw * 1e12), harness.roofline_ms(fb_bytes, bw * 1e12)
-        for impl, cfg in [("xla", None)] + [("pallas", c) for c in cfgs]:
+        for impl, cfg in [("xla", None)] + [("pallas_triton", c) for c in cfgs]:
             for ent in [True, False]:
                 try:
                     fwd = jax.jit(lambda x, y: jaxops.logprob_entropy(x, y, implementation=impl, with_entropy=ent, pallas_config=cfg))

@@ -20,7 +20,7 @@ class Implementations:
         self.jax = jax
         self.tau = tau
         self.on_gpu = on_gpu
-        self.pallas_config = pallas_config  # PallasConfig: Triton (and the "pallas" alias)
+        self.pallas_config = pallas_config  # PallasConfig: Triton (and "pallas")
         self.mosaic_config = mosaic_config  # MosaicConfig: Mosaic GPU
         self.bridge_kwargs = dict(bridge_kwargs or {})
         self._megatron = None  # (fn, group) once initialised

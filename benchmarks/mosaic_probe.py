@@ -31,7 +31,7 @@ for T, dt, ent, m in cases:
     fb_bytes = roofline_bytes(dt, T, V, m)
     row = dict(T=T, dtype=dt, entropy=ent, mask=m, roofline_ms=[b / BW * 1e3 for b in fb_bytes])
     outs = {}
-    for impl in ("pallas", "pallas_mosaic"):
+    for impl in ("pallas_triton", "pallas_mosaic"):
         fwd = jax.jit(lambda x, y, mask: jaxops.logprob_entropy(x, y, keep_mask=mask, with_entropy=ent, implementation=impl))
         def fb_(x, y, mask, g):
             out, vjp = jax.vjp(lambda x: jaxops.logprob_entropy(x, y, keep_mask=mask, with_entropy=ent, implementation=impl), x)

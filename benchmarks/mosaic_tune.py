@@ -1,6 +1,6 @@
 """Mosaic GPU kernel sweep (issue 14): the statistics and gradient kernels alone.
 
-    python -m benchmarks.mosaic_tune [--out FILE.json] [--quick] [--api]
+    python -m benchmarks.mosaic_tune [--out FILE.json] [--quick] [--api | --small]
 
 Times `pallas_mosaic.forward_stats` and `backward_logits` jitted on their own, with the
 keep mask handed over as uint8 (so no bool -> uint8 pass: the kernel's own cost), for
@@ -11,6 +11,8 @@ log-sum-exp is checked against the XLA implementation first. `--api` times inste
 public op (`jaxops.logprob_entropy`, implementation "pallas_mosaic", default config) at
 T = 8192, V = 151,936, forward and forward+backward, with no mask, a bool mask and a
 uint8 mask (a bool mask costs the Mosaic kernels a bool -> uint8 pass per kernel).
+`--small` sweeps the chunk and tile widths where the grid is a few waves of CTAs only
+(bf16 with entropy, no mask: T = 1024 at V = 151,936, and T = 8192 at V_loc = 18,992).
 Times: median of 5 rounds of 20 back-to-back calls over 2 input sets
 (harness.time_calls); x roof: harness.roofline_bytes / the copy bandwidth measured in
 the same run.
@@ -33,10 +35,11 @@ from jaxops.pallas_config import MosaicConfig
 V = 151936
 
 
-def _inputs(num_tokens, dtype, masked, seed):
+def _inputs(num_tokens, dtype, masked, seed, num_vocab=None):
+    num_vocab = num_vocab or V
     k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    logits = (jax.random.normal(k1, (num_tokens, V), jnp.float32) * 3).astype(dtype)
-    targets = jax.random.randint(k2, (num_tokens,), 0, V, jnp.int32)
+    logits = (jax.random.normal(k1, (num_tokens, num_vocab), jnp.float32) * 3).astype(dtype)
+    targets = jax.random.randint(k2, (num_tokens,), 0, num_vocab, jnp.int32)
     # A top-p-like keep set: the logits above a per-row threshold (the max is kept).
     mask = ((logits.astype(jnp.float32) > 6.0).astype(jnp.uint8) if masked else None)
     return logits, targets, mask
@@ -49,8 +52,9 @@ def _copy_bandwidth():
     return 2 * x.nbytes / s
 
 
-def run_case(num_tokens, dtype, masked, config, bandwidth):
-    sets = [_inputs(num_tokens, dtype, masked, s) for s in (0, 1)]
+def run_case(num_tokens, dtype, masked, config, bandwidth, num_vocab=None):
+    num_vocab = num_vocab or V
+    sets = [_inputs(num_tokens, dtype, masked, s, num_vocab) for s in (0, 1)]
     fwd = jax.jit(lambda x, y, m: pallas_mosaic.forward_stats(
         x, y, m, inv_tau=1.0, with_entropy=True, config=config))
     stats = fwd(*sets[0])
@@ -71,9 +75,10 @@ def run_case(num_tokens, dtype, masked, config, bandwidth):
     bsets = [(x, y, m, stats.max_logit, stats.masked_max) for x, y, m in sets]
     t_f = harness.time_calls(fwd, sets, reps=5, calls=20, sync=jax.block_until_ready).seconds
     t_b = harness.time_calls(bwd, bsets, reps=5, calls=20, sync=jax.block_until_ready).seconds
-    fwd_bytes, fb_bytes = harness.roofline_bytes(jnp.dtype(dtype).name, num_tokens, V, masked)
+    fwd_bytes, fb_bytes = harness.roofline_bytes(jnp.dtype(dtype).name, num_tokens,
+                                                 num_vocab, masked)
     bwd_bytes = fb_bytes - fwd_bytes
-    return dict(T=num_tokens, dtype=jnp.dtype(dtype).name, masked=masked,
+    return dict(T=num_tokens, V=num_vocab, dtype=jnp.dtype(dtype).name, masked=masked,
                 config={k: v for k, v in dataclasses.asdict(config).items() if v is not None},
                 fwd_ms=t_f * 1e3, bwd_ms=t_b * 1e3,
                 fwd_x_roof=t_f * bandwidth / fwd_bytes, bwd_x_roof=t_b * bandwidth / bwd_bytes,
@@ -92,6 +97,18 @@ def variants(quick):
     cases += [(1024, jnp.bfloat16, False, MosaicConfig(**c)) for c in
               (dict(), dict(chunk_v=2048), dict(chunk_v=1024), dict(chunk_v=2048, num_stages=4))]
     return cases
+
+
+def small_variants():
+    """bf16 with entropy, no mask, where the grid is only a few waves of CTAs: pipeline
+    depth (shared memory per CTA, hence CTAs per SM) and chunk width (CTAs per row block,
+    hence waves); one config applies to both kernels (read fwd and bwd separately)."""
+    configs = [dict(), dict(num_stages=2), dict(num_stages=3), dict(num_stages=4),
+               dict(chunk_v=2048), dict(chunk_v=2048, num_stages=3),
+               dict(chunk_v=2048, num_stages=4)]
+    return [(num_tokens, jnp.bfloat16, False, MosaicConfig(**c), num_vocab)
+            for num_tokens, num_vocab in ((1024, V), (8192, 18992), (8192, V))
+            for c in configs]
 
 
 def api_case(dtype, with_entropy, mask_dtype, bandwidth, num_tokens=8192):
@@ -127,6 +144,8 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--budget-s", type=float, default=None)
     parser.add_argument("--api", action="store_true")
+    parser.add_argument("--small", action="store_true",
+                        help="the small-grid sweep (T = 1024; V_loc = 18,992) instead")
     args = parser.parse_args()
     start = time.perf_counter()
     bandwidth = _copy_bandwidth()
@@ -137,7 +156,9 @@ def main():
                  for dtype in (jnp.bfloat16, jnp.float32) for entropy in (True, False)
                  for mask in (jnp.uint8, jnp.bool_, None)]
     else:
-        cases = [functools.partial(run_case, *case) for case in variants(args.quick)]
+        chosen = small_variants() if args.small else variants(args.quick)
+        cases = [functools.partial(run_case, *case[:4], num_vocab=(case[4:] or (None,))[0])
+                 for case in chosen]
     for case in cases:
         if args.budget_s is not None and time.perf_counter() - start > args.budget_s:
             print("budget spent: stopping", flush=True)
@@ -145,7 +166,7 @@ def main():
         try:
             row = case(bandwidth=bandwidth)
         except Exception as e:  # a variant that does not compile is a result too
-            row = dict(case=str(case.args), error=f"{type(e).__name__}: {e}"[:300])
+            row = dict(case=str(case.args)[:200], error=f"{type(e).__name__}: {e}"[:300])
         rows.append(row)
         print(json.dumps(row), flush=True)
         if args.out:

@@ -41,7 +41,7 @@ def run_variant(spec, config):
 
     def op(x, y, mask):  # arrays as arguments: a captured mask would be an HLO constant
         return jaxops.logprob_entropy(x, y, keep_mask=mask, with_entropy="noent" not in case,
-                                      implementation="pallas", pallas_config=config)
+                                      implementation="pallas_triton", pallas_config=config)
 
     if spec["phase"] == "fwd":
         fn = jax.jit(op)

@@ -23,7 +23,7 @@ from benchmarks.harness import REPO
 
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
 # The op's Pallas kernels, in the order that picks the headline ("ours": speed-ups are
-# anchor time / its time): the "pallas" alias where measured (what callers get), else the
+# anchor time / its time): "pallas" where measured (what callers get), else the
 # Triton backend, else Mosaic. The other backends present get their own time and
 # x roofline columns, and count as anchors in `speedups`.
 PALLAS_ORDER = ("jaxops-pallas", "jaxops-pallas_triton", "jaxops-pallas_mosaic",

@@ -31,11 +31,11 @@ def max_errors(cfg, num_tokens=33, num_vocab=151936 // 8 + 5, dtype=jnp.bfloat16
 
     def loss(x, y, mask, cot, impl):  # every array an argument: nothing baked into the HLO
         lp, h = jaxops.logprob_entropy(x, y, keep_mask=mask, temperature=0.8, implementation=impl,
-                                       pallas_config=cfg if impl == "pallas" else None)
+                                       pallas_config=cfg if impl == "pallas_triton" else None)
         return jnp.sum(lp * cot[0].astype(lp.dtype)) + jnp.sum(h * cot[1].astype(h.dtype)), (lp, h)
 
     grad = jax.jit(jax.grad(loss, has_aux=True), static_argnames="impl")
-    g, (lp, h) = grad(x, y, mask, cot, impl="pallas")
+    g, (lp, h) = grad(x, y, mask, cot, impl="pallas_triton")
     gr, (lpr, hr) = grad(x.astype(jnp.float64), y, mask, cot, impl="reference")
     return (float(jnp.max(jnp.abs(lp - lpr))), float(jnp.max(jnp.abs(h - hr))),
             float(jnp.linalg.norm(g.astype(jnp.float64) - gr) / jnp.linalg.norm(gr)))
@@ -60,7 +60,7 @@ def extreme_errors(cfg):
 
     def loss(x, y, mask, impl):
         lp, h = jaxops.logprob_entropy(x, y, keep_mask=mask, implementation=impl,
-                                       pallas_config=cfg if impl == "pallas" else None)
+                                       pallas_config=cfg if impl == "pallas_triton" else None)
         return jnp.sum(lp * jnp.arange(1.0, num_tokens + 1, dtype=lp.dtype)), (lp, h)
 
     grad = jax.jit(jax.grad(loss, has_aux=True), static_argnames="impl")
@@ -126,7 +126,7 @@ def main():
                 # targets and mask are arguments: a captured [T, V] mask would be baked into
                 # the program as a 1.2 GB constant (minutes of compile time)
                 op = lambda x, y, m: jaxops.logprob_entropy(  # noqa: E731
-                    x, y, keep_mask=m, with_entropy=ent, implementation="pallas",
+                    x, y, keep_mask=m, with_entropy=ent, implementation="pallas_triton",
                     pallas_config=cfg)
                 fwd = jax.jit(op)
                 fwd_bwd = jax.jit(jax.grad(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import sys
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -80,11 +81,17 @@ def _raw_targets(targets: torch.Tensor, dev) -> tuple[torch.Tensor, str, int]:
     return targets.detach(), "i32", 1
 
 
-def implementation_for(implementation: str, dev) -> tuple[str, PallasConfig | None]:
-    """(name, config) for this device: jaxops' one dispatch policy (Pallas on CUDA,
-    interpreted elsewhere; XLA by default off-GPU) with the bridge's launch config."""
-    return implementations.resolve(implementation or None, "cuda" if dev.cuda else "cpu",
-                                   PALLAS_CONFIG)
+def implementation_for(implementation: str, dev, *, num_vocab: int, itemsize: int,
+                       mask_dtype=None) -> tuple[str, PallasConfig | None]:
+    """(name, config) for this device and call: jaxops' one dispatch policy (Pallas on
+    CUDA, interpreted elsewhere; XLA by default off-GPU; "pallas" per call as in
+    `implementations.for_call`, for V_loc `num_vocab`, logits of `itemsize` bytes and a
+    mask handed over as `mask_dtype`) with the bridge's launch config."""
+    platform = "cuda" if dev.cuda else "cpu"
+    name, config = implementations.resolve(implementation or None, platform, PALLAS_CONFIG)
+    return implementations.for_call(name, config, PALLAS_CONFIG, num_vocab=num_vocab,
+                                    itemsize=itemsize, mask_dtype=mask_dtype,
+                                    platform=platform)
 
 
 class Plan:
@@ -98,7 +105,13 @@ class Plan:
         self.logits = big("logits", logits, dev)
         self.mask = None if keep_mask is None else big("keep_mask", keep_mask, dev)
         self.raw_targets, self.target_mode, self.words = _raw_targets(targets, dev)
-        self.implementation, self.config = implementation_for(implementation, dev)
+        # A mask counts as bytes: the Mosaic kernels get a bool one as its uint8 view
+        # (torch's bool is one byte, 0 or 1: zero-copy), so they pay no conversion.
+        self.implementation, self.config = implementation_for(
+            implementation, dev, num_vocab=logits.shape[-1], itemsize=logits.element_size(),
+            mask_dtype=None if keep_mask is None else np.uint8)
+        if self.implementation == "pallas_mosaic" and self.mask is not None:
+            self.mask = self.mask.view(torch.uint8)
         self.num_tokens, self.num_vocab = logits.shape
         smallest = 1 if keep_mask is not None else logits.element_size()
         self.windows = row_windows(self.num_tokens,

@@ -46,6 +46,7 @@ from __future__ import annotations
 import numbers
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -170,7 +171,10 @@ class Plan:
         self.weight = _run.big("weight", weight, dev)
         self.mask = None if keep_mask is None else _run.big("keep_mask", keep_mask, dev)
         self.raw_targets, self.target_mode, self.words = _run._raw_targets(targets, dev)
-        self.implementation, self.config = _run.implementation_for(implementation, dev)
+        # jaxops.linear_logprob_entropy hands the kernels the mask as bool.
+        self.implementation, self.config = _run.implementation_for(
+            implementation, dev, num_vocab=weight.shape[0], itemsize=hidden.element_size(),
+            mask_dtype=None if keep_mask is None else np.bool_)
         self.num_tokens, self.num_vocab = hidden.shape[0], weight.shape[0]
         # Every window must start aligned in hidden and in the mask; both alignments
         # are powers of two, so the larger serves both.

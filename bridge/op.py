@@ -331,11 +331,13 @@ def logprob_entropy(
       temperature: a Python number > 0; logits / temperature in float32 in the kernel.
       with_entropy: False: entropy is None and no entropy work is done.
       entropy_grad: False: entropy is returned but is constant for autograd.
-      implementation: None ("pallas" on CUDA, "xla" on CPU), "pallas" (= the Triton
-        kernels), "pallas_triton", "pallas_mosaic" (Mosaic GPU kernels, Hopper+), all
-        three in interpret mode on CPU (slow, for tests), or "xla". "pallas_mosaic" on
-        CUDA without a process group, in eager mode, launches its kernels from torch
-        without JAX's runtime (`_direct.py`: less host time per call).
+      implementation: None ("pallas" on CUDA, "xla" on CPU), "pallas" (per call the
+        backend measured faster for V_loc and the GPU: `jaxops.implementations.
+        pallas_backend`; a bool mask counts as bytes), "pallas_triton", "pallas_mosaic"
+        (Mosaic GPU kernels, Hopper+), all three in interpret mode on CPU (slow, for
+        tests), or "xla". The Mosaic kernels on CUDA without a process group, in eager
+        mode, are launched from torch without JAX's runtime (`_direct.py`: less host
+        time per call).
       check_targets: opt-in checks that cost a host sync per call: raise ValueError for
         targets outside the vocabulary (`bridge.check_targets`) and, with a process
         group, for ranks passing different T. Off by default (no host sync): an

@@ -41,15 +41,20 @@ def logprob_entropy(
       temperature: a concrete number > 0.
       with_entropy: if False, no entropy work is done and `entropy` is None.
       entropy_grad: if False, entropy is returned but is a constant for autodiff.
-      implementation: None (pallas on GPU, xla elsewhere), "pallas" (runs in
-        interpret mode off-GPU), "xla" or "reference".
+      implementation: None ("pallas" on GPU, "xla" elsewhere); "pallas": the Pallas
+        backend measured faster for this call's V, dtype and mask dtype on this GPU
+        (`implementations.pallas_backend`; the Triton kernels in interpret mode
+        off-GPU); "pallas_triton" or "pallas_mosaic" (Hopper+) by name; "xla" or
+        "reference".
       axis_name: inside `shard_map` over the vocabulary, the mesh axis the
         vocabulary is split over. Each shard holds `[..., V_loc]` columns
         `[axis_index * V_loc, (axis_index + 1) * V_loc)`, global `targets` and the
         matching slice of `keep_mask`; outputs are identical on every shard.
         For global arrays (e.g. under `jit` with a `NamedSharding` over the
         vocabulary) use `jaxops.vocab_parallel_logprob_entropy`.
-      pallas_config: launch parameters for the Pallas kernels (tuning only).
+      pallas_config: launch parameters for the Pallas kernels (tuning only): a
+        `PallasConfig` (Triton) or a `MosaicConfig`; with "pallas", a `MosaicConfig` or
+        non-default `PallasConfig` fields also pick that backend.
 
     Returns:
       `(log_prob, entropy)`, float32 `[...]`; `entropy` is None when
@@ -66,6 +71,9 @@ def logprob_entropy(
         entropy_grad=entropy_grad, axis_name=axis_name, device_array=logits)
 
     lead_shape, num_vocab = tuple(logits.shape[:-1]), logits.shape[-1]
+    impl, config = implementations.for_call(
+        impl, config, pallas_config, num_vocab=num_vocab, itemsize=jnp.dtype(logits.dtype).itemsize,
+        mask_dtype=None if keep_mask is None else keep_mask.dtype)
     num_tokens = int(np.prod(lead_shape))
     if num_tokens == 0:
         # float32, or float64 for the float64 reference: the dtype a non-empty call returns.

@@ -1,7 +1,8 @@
 """The implementations of the op, by name, and the one policy for choosing and configuring one.
 
-  "pallas"     Pallas kernels: for now the same as "pallas_triton" (which backend it
-               means is decided after the H200 measurements of issue 14).
+  "pallas"     Pallas kernels: per call, the backend measured faster for the call's
+               shapes on this GPU (`for_call`, `pallas_backend`); off-GPU (interpret
+               mode) the Triton kernels.
   "pallas_triton"  Pallas kernels lowered through Triton (`pallas_gpu.py`): compiled for
                the GPU, run in interpret mode elsewhere (slow; for tests).
   "pallas_mosaic"  Pallas kernels lowered through Mosaic GPU (`pallas_mosaic.py`, Hopper
@@ -20,7 +21,7 @@ import functools
 import importlib
 from types import ModuleType
 
-from jaxops.pallas_config import MosaicConfig, PallasConfig
+from jaxops.pallas_config import MosaicConfig, PallasConfig, mosaic_supported
 
 IMPLEMENTATIONS = ("pallas", "pallas_triton", "pallas_mosaic", "xla", "reference")
 # The implementations that compute per-shard statistics: name -> module providing
@@ -29,6 +30,14 @@ _KERNEL_MODULES = {"pallas": "jaxops.pallas_gpu", "pallas_triton": "jaxops.palla
                    "pallas_mosaic": "jaxops.pallas_mosaic", "xla": "jaxops.xla"}
 _PALLAS = ("pallas", "pallas_triton", "pallas_mosaic")
 _GPU_PLATFORMS = ("gpu", "cuda")
+
+# From this vocabulary shard width on, "pallas" means the Mosaic GPU kernels (Hopper and
+# newer), below it the Triton ones. H200, jax 0.11.2, T = 8192, bf16/fp32 x entropy on/off,
+# forward and forward+backward, through the public op (benchmarks/NOTES.md, "Which
+# backend 'pallas' means"): Mosaic faster in all 8 timings at V_loc = 75,968 and at
+# 151,936, Triton faster in 7 of 8 at 18,992; at 37,984 within 5% of each other, either
+# way. At V = 151,936 Mosaic was also faster for T = 512 to 32,768.
+MOSAIC_MIN_VOCAB = 65536
 
 
 def is_pallas(implementation: str | None) -> bool:
@@ -60,7 +69,67 @@ def _check_mosaic_gpu() -> None:
         raise ValueError(
             f"implementation 'pallas_mosaic' needs an NVIDIA GPU of compute capability "
             f">= 9.0 (Hopper or newer); {kind} has {'.'.join(map(str, capability))}. Use "
-            f"'pallas_triton' (or 'pallas', its alias) there.")
+            f"'pallas_triton' there (or 'pallas', which picks it on such GPUs).")
+
+
+@functools.cache
+def _mosaic_usable() -> bool:
+    """This JAX has the Mosaic GPU Pallas pieces the kernels use (checked: 0.10.2, 0.11.2)."""
+    try:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+    except Exception:  # noqa: BLE001 -- a JAX without (a working) Mosaic GPU
+        return False
+    return all(hasattr(plgpu, name) for name in (
+        "kernel", "emit_pipeline", "layout_cast", "Layout", "SwizzleTransform",
+        "TilingTransform", "copy_gmem_to_smem", "CompilerParams"))
+
+
+def pallas_backend(num_vocab: int, itemsize: int, mask_dtype, capability,
+                   mosaic_usable: bool = True) -> str:
+    """The Pallas backend "pallas" means for one call on a GPU: "pallas_mosaic" or
+    "pallas_triton".
+
+    `num_vocab`: V_loc; `itemsize`: the logits' bytes per element; `mask_dtype`: None,
+    or the dtype the kernels would be handed the keep mask in; `capability`: the GPU's
+    compute capability (major, minor), None if unknown. Mosaic where it runs (sm_90+,
+    a JAX with its pieces, a V_loc its TMA tiles take) and was measured faster: V_loc >=
+    MOSAIC_MIN_VOCAB and the mask, if any, in bytes (uint8/int8). A bool mask would
+    cost the Mosaic kernels an XLA pass over it (`pallas_mosaic._mask_bytes`; on the
+    H200 a bf16 masked forward 2.6x slower), which the Triton kernels do not pay."""
+    import numpy as np
+
+    if capability is None or tuple(capability) < (9, 0) or not mosaic_usable:
+        return "pallas_triton"
+    if mask_dtype is not None and np.dtype(mask_dtype) not in (np.uint8, np.int8):
+        return "pallas_triton"
+    if not mosaic_supported(num_vocab, itemsize, mask_dtype is not None):
+        return "pallas_triton"
+    return "pallas_mosaic" if num_vocab >= MOSAIC_MIN_VOCAB else "pallas_triton"
+
+
+def for_call(name: str, config, pallas_config=None, *, num_vocab: int, itemsize: int,
+             mask_dtype, platform: str | None = None):
+    """(name, config) from `resolve`, made concrete for one call: "pallas" becomes
+    "pallas_mosaic" or "pallas_triton" (`pallas_backend` on this process's first GPU);
+    the other names pass through. `num_vocab`, `itemsize`, `mask_dtype`: as for
+    `pallas_backend`. `pallas_config` is what the caller passed to
+    `resolve`: a `MosaicConfig` picks Mosaic, non-default `PallasConfig` parameters
+    pick Triton (they tune its kernels). Off-GPU (interpret mode) "pallas" stays the
+    Triton kernels."""
+    if name != "pallas":
+        return name, config
+    if isinstance(pallas_config, MosaicConfig):
+        backend = "pallas_mosaic"
+    elif config.interpret or (isinstance(pallas_config, PallasConfig) and pallas_config
+                              != PallasConfig(interpret=pallas_config.interpret)):
+        backend = "pallas_triton"
+    else:
+        found = _first_gpu_capability()
+        backend = pallas_backend(num_vocab, itemsize, mask_dtype,
+                                 None if found is None else found[1], _mosaic_usable())
+    if backend == "pallas_triton":
+        return backend, config
+    return resolve(backend, platform, pallas_config)
 
 
 def _platform(platform: str | None) -> str:

@@ -53,14 +53,14 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxops import pallas_mosaic as pm
 from jaxops.contract import NEG
-from jaxops.pallas_config import MosaicConfig, mosaic_defaults
+from jaxops.pallas_config import MosaicConfig, mosaic_defaults, mosaic_supported
 
 _ROWS = pm._ROWS
 
 
 def supported(num_vocab: int, itemsize: int, masked: bool) -> bool:
-    """Shapes the kernels take (`pallas_mosaic._supported`)."""
-    return pm._supported(num_vocab, itemsize, masked)
+    """Shapes the kernels take (`pallas_config.mosaic_supported`)."""
+    return mosaic_supported(num_vocab, itemsize, masked)
 
 
 def saved_names(with_entropy: bool, masked: bool) -> tuple[str, ...]:
@@ -135,7 +135,7 @@ def partials_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_t
 # --- forward in one kernel: a vocabulary of one chunk ----------------------------------
 
 def one_pass(num_vocab: int, dtype, masked: bool, config: MosaicConfig | None = None) -> bool:
-    """Whether V_loc is one vocabulary chunk (`pallas_mosaic._chunking`: up to 4096-6144
+    """Whether V_loc is one vocabulary chunk (`pallas_mosaic._chunking`: up to 2048-3072
     columns at the default chunk_v), so that `forward_kernel` does the partials' and
     finish's work in one launch."""
     config, _ = _configs(jnp.dtype(dtype).itemsize, masked, config)

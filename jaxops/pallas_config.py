@@ -77,8 +77,8 @@ def with_tuned_defaults(config: PallasConfig, num_vocab: int, *, masked: bool, i
 @dataclasses.dataclass(frozen=True)
 class MosaicConfig:
     """Launch parameters of the Mosaic GPU kernels (`pallas_mosaic.py`); `None` fields
-    take the defaults of `mosaic_defaults`. Untuned first guesses (issue 14): the
-    lead measures them on the H200."""
+    take the defaults of `mosaic_defaults`, chosen from H200 sweeps
+    (`benchmarks/mosaic_tune.py`, benchmarks/NOTES.md)."""
 
     # Vocabulary columns per tile; a CTA holds [64, block_v] tiles (multiple of 64).
     block_v: int | None = None
@@ -91,6 +91,14 @@ class MosaicConfig:
     # ex2.approx for exp2 (as PallasConfig.approx_exp2).
     approx_math: bool = True
     interpret: bool = False
+
+
+# Vocabulary columns per CTA. Narrower chunks mean more, shorter CTAs: fewer idle SMs in
+# the last wave where the grid is only a few waves deep (small T or small V_loc). On the
+# H200 (benchmarks/results/h200_mosaic_tune_small.json, bf16 with entropy, kernels alone,
+# forward+backward x roofline) 2048 against 4096: T = 1024 1.27x vs 1.34x, T = 8192 at
+# V_loc = 18,992 1.51x vs 1.60x, at V = 151,936 1.052x vs 1.057x.
+_CHUNK_V = 2048
 
 
 def mosaic_defaults(config: MosaicConfig, *, itemsize: int, masked: bool,
@@ -111,4 +119,13 @@ def mosaic_defaults(config: MosaicConfig, *, itemsize: int, masked: bool,
     num_stages = config.num_stages or max(2, min(6, budget // per_stage))
     return dataclasses.replace(
         config, block_v=block_v, num_stages=num_stages,
-        chunk_v=config.chunk_v or 4096)
+        chunk_v=config.chunk_v or _CHUNK_V)
+
+
+def mosaic_supported(num_vocab: int, itemsize: int, masked: bool) -> bool:
+    """Shapes the Mosaic GPU kernels take; the others fall back to the XLA implementation.
+
+    TMA needs 16-byte-aligned row strides (the mask: V_loc % 16 == 0); the logits
+    tile is also swizzled (at least 32 bytes wide), which TMA tiles only if the
+    swizzle width divides V_loc (fp32: V_loc % 8, bf16: V_loc % 16)."""
+    return num_vocab % (32 // itemsize) == 0 and (not masked or num_vocab % 16 == 0)

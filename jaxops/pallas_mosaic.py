@@ -24,7 +24,7 @@ gather); the forward kernel needs no targets. The masked log-sum-exp is exact
 (`masked_max` is the kept maximum, as in `xla.py`), in the same single pass, and
 shares the row's exponential where that is exact (`_forward_kernel`).
 
-Shapes taken (`_supported`): V_loc a multiple of 32 bytes of logits (fp32: 8, bf16:
+Shapes taken (`pallas_config.mosaic_supported`): V_loc a multiple of 32 bytes of logits (fp32: 8, bf16:
 16; the swizzled SMEM tile) and, with a mask, of 16 (TMA's row-stride alignment);
 other shapes fall back to the XLA implementation with a RuntimeWarning. The kernels
 read the mask as bytes: a uint8 mask (nonzero = kept) in place, a bool one after
@@ -49,7 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxops.contract import NEG, BackwardCoefs, LocalStats, varying_struct
-from jaxops.pallas_config import MosaicConfig, mosaic_defaults
+from jaxops.pallas_config import MosaicConfig, mosaic_defaults, mosaic_supported
 
 __all__ = ["MosaicConfig", "backward_logits", "forward_stats"]  # MosaicConfig: re-exported
 
@@ -144,15 +144,6 @@ def _any_row(flags, zero):
 
 
 # --- shapes, tiles, chunks ---------------------------------------------------------------
-
-def _supported(num_vocab: int, itemsize: int, masked: bool) -> bool:
-    """Shapes the kernels take; the others fall back to the XLA implementation.
-
-    TMA needs 16-byte-aligned row strides (the mask: V_loc % 16 == 0); the logits
-    tile is also swizzled (at least 32 bytes wide), which TMA tiles only if the
-    swizzle width divides V_loc (fp32: V_loc % 8, bf16: V_loc % 16)."""
-    return num_vocab % (32 // itemsize) == 0 and (not masked or num_vocab % 16 == 0)
-
 
 def _transforms(num_vocab: int, itemsize: int, block_v: int):
     """SMEM tiling + swizzle for a [64, block_v] tile, or () where V_loc admits none.
@@ -408,7 +399,7 @@ def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
     num_tokens, num_vocab = logits.shape
     masked = keep_mask is not None
     itemsize = logits.dtype.itemsize
-    if not _supported(num_vocab, itemsize, masked) or num_tokens == 0:
+    if not mosaic_supported(num_vocab, itemsize, masked) or num_tokens == 0:
         if num_tokens:
             _warn_fallback(f"logits [{num_tokens}, {num_vocab}] {logits.dtype}")
         from jaxops import xla
@@ -591,7 +582,7 @@ def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
     num_tokens, num_vocab = logits.shape
     masked = keep_mask is not None
     itemsize = logits.dtype.itemsize
-    if not _supported(num_vocab, itemsize, masked) or num_tokens == 0:
+    if not mosaic_supported(num_vocab, itemsize, masked) or num_tokens == 0:
         if num_tokens:
             _warn_fallback(f"logits [{num_tokens}, {num_vocab}] {logits.dtype}")
         from jaxops import xla

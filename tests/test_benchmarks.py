@@ -23,7 +23,7 @@ from benchmarks import bench, cases, harness, report  # stdlib-only at import ti
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(REPO, "benchmarks")
 ENTRY_SCRIPTS = ("bench", "report", "plot", "tune", "profile_kernels", "gpu_smoke",
-                 "bridge_overhead", "kernel_asm", "mosaic_tune")
+                 "bridge_overhead", "kernel_asm", "mosaic_tune", "backend_choice")
 
 
 def _run(*args, timeout=900, cwd=REPO, pythonpath=True):
@@ -411,3 +411,16 @@ def test_mosaic_tune_measures_and_checks(monkeypatch):
     assert row["max_lse_err"] < 1e-4 and row["fwd_ms"] > 0 and row["bwd_ms"] > 0
     api = mosaic_tune.api_case(jnp.float32, False, jnp.uint8, bandwidth=1e9, num_tokens=70)
     assert api["mask"] == "uint8" and api["fwd_ms"] > 0 and api["fb_ms"] > 0
+
+
+def test_backend_choice_times_both_backends():
+    """benchmarks/backend_choice.py on CPU (both backends interpreted, tiny shapes): one
+    row holds a forward and a forward+backward time per backend."""
+    import jax.numpy as jnp
+
+    from benchmarks import backend_choice
+
+    row = backend_choice.run_case(8, 64, jnp.float32, True, reps=1, calls=2)
+    assert (row["T"], row["V"], row["dtype"], row["entropy"]) == (8, 64, "float32", True)
+    for impl in backend_choice.IMPLS:
+        assert len(row[impl]) == 2 and min(row[impl]) > 0

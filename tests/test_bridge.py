@@ -104,6 +104,19 @@ def test_pallas_interpret_matches_xla(impl, num_vocab):
         torch.testing.assert_close(a, b, rtol=0, atol=2e-6)
 
 
+def test_bool_mask_reaches_the_mosaic_kernels_as_bytes():
+    """The Mosaic kernels read the mask as bytes: a bool mask is handed over as its uint8
+    view (same storage, no conversion pass); the other backends keep the bool tensor."""
+    from bridge import _run
+
+    x, y, mask = _inputs(T=3, V=48, masked=True)
+    plan = _run.Plan(x, y, mask, "pallas_mosaic")
+    assert plan.mask.dtype == torch.uint8 and plan.mask.data_ptr() == mask.data_ptr()
+    assert torch.equal(plan.mask.bool(), mask)
+    for name in ("pallas_triton", "xla"):
+        assert _run.Plan(x, y, mask, name).mask.dtype == torch.bool
+
+
 # ---------------------------------------------------------------------------
 # any T: row windows, bounded compiles
 # ---------------------------------------------------------------------------

@@ -225,6 +225,62 @@ def test_implementation_names():
     assert isinstance(config, PallasConfig) and config.interpret
 
 
+@pytest.mark.parametrize("num_vocab, itemsize, mask_dtype, capability, usable, want", [
+    (151936, 2, None, (9, 0), True, "pallas_mosaic"),
+    (151936, 4, np.uint8, (9, 0), True, "pallas_mosaic"),
+    (151936, 2, np.int8, (10, 0), True, "pallas_mosaic"),
+    (75968, 2, None, (9, 0), True, "pallas_mosaic"),
+    (implementations.MOSAIC_MIN_VOCAB, 2, None, (9, 0), True, "pallas_mosaic"),
+    (implementations.MOSAIC_MIN_VOCAB - 16, 2, None, (9, 0), True, "pallas_triton"),
+    (18992, 2, None, (9, 0), True, "pallas_triton"),  # V_loc of TP = 8: Triton measured faster
+    (151936, 2, np.bool_, (9, 0), True, "pallas_triton"),  # bool: a conversion pass
+    (151936, 2, None, (8, 0), True, "pallas_triton"),  # Ampere: no Mosaic GPU
+    (151936, 2, None, None, True, "pallas_triton"),  # no GPU found
+    (151936, 2, None, (9, 0), False, "pallas_triton"),  # a JAX without the pieces
+    (151936 + 8, 2, None, (9, 0), True, "pallas_triton"),  # bf16 V_loc % 16: no TMA tile
+    (151936 + 8, 4, None, (9, 0), True, "pallas_mosaic"),
+    (151936 + 8, 4, np.uint8, (9, 0), True, "pallas_triton"),  # mask row stride % 16
+])
+def test_which_backend_pallas_means(num_vocab, itemsize, mask_dtype, capability, usable, want):
+    assert implementations.pallas_backend(num_vocab, itemsize, mask_dtype, capability,
+                                          usable) == want
+
+
+def test_pallas_is_made_concrete_per_call(monkeypatch):
+    """`for_call` on a (faked) Hopper GPU: "pallas" becomes the backend for the call's
+    shapes; a config picks its own backend; interpret mode (off-GPU) stays Triton; the
+    other names pass through."""
+    class Hopper:
+        device_kind, compute_capability = "NVIDIA H200", "9.0"
+
+    cached = implementations._first_gpu_capability
+    gpu_triton = PallasConfig()
+    shape = dict(num_vocab=151936, itemsize=2, platform="gpu")
+    try:
+        cached.cache_clear()
+        monkeypatch.setattr(jax, "devices", lambda *a: [Hopper()])
+        for_call = implementations.for_call
+        assert for_call("pallas", gpu_triton, None, mask_dtype=None, **shape) == (
+            "pallas_mosaic", MosaicConfig())
+        assert for_call("pallas", gpu_triton, None, mask_dtype=jnp.bool_, **shape) == (
+            "pallas_triton", gpu_triton)
+        assert for_call("pallas", gpu_triton, None, mask_dtype=None, **{
+            **shape, "num_vocab": 18992}) == ("pallas_triton", gpu_triton)
+        tuned = PallasConfig(block_v=1024)
+        assert for_call("pallas", tuned, tuned, mask_dtype=None, **shape) == (
+            "pallas_triton", tuned)
+        mosaic = MosaicConfig(chunk_v=1024)
+        assert for_call("pallas", gpu_triton, mosaic, mask_dtype=jnp.bool_, **shape) == (
+            "pallas_mosaic", mosaic)
+        interpreted = PallasConfig(interpret=True)
+        assert for_call("pallas", interpreted, None, mask_dtype=None, **shape)[0] == (
+            "pallas_triton")
+        for name in ("xla", "pallas_triton", "pallas_mosaic"):
+            assert for_call(name, None, None, mask_dtype=None, **shape) == (name, None)
+    finally:
+        cached.cache_clear()
+
+
 def _lower_for_cuda(num_tokens, num_vocab, dtype, masked, with_entropy):
     S = jax.ShapeDtypeStruct
     logits = S((num_tokens, num_vocab), dtype)

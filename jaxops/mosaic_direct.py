@@ -136,7 +136,7 @@ def partials_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_t
 
 def one_pass(num_vocab: int, dtype, masked: bool, config: MosaicConfig | None = None) -> bool:
     """Whether V_loc is one vocabulary chunk (`pallas_mosaic._chunking`: up to 2048-3072
-    columns at the default chunk_v), so that `forward_kernel` does the partials' and
+    columns at the default chunk_v, 4096-6144 with a mask), so that `forward_kernel` does the partials' and
     finish's work in one launch."""
     config, _ = _configs(jnp.dtype(dtype).itemsize, masked, config)
     return pm._chunking(num_vocab, config.block_v, config.chunk_v)[1] == 1

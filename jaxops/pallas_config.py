@@ -97,8 +97,12 @@ class MosaicConfig:
 # the last wave where the grid is only a few waves deep (small T or small V_loc). On the
 # H200 (benchmarks/results/h200_mosaic_tune_small.json, bf16 with entropy, kernels alone,
 # forward+backward x roofline) 2048 against 4096: T = 1024 1.27x vs 1.34x, T = 8192 at
-# V_loc = 18,992 1.51x vs 1.60x, at V = 151,936 1.052x vs 1.057x.
+# V_loc = 18,992 1.51x vs 1.60x, at V = 151,936 1.052x vs 1.057x. With a keep mask the
+# wider chunk wins at T = 8192, V = 151,936 (benchmarks/results/h200_mosaic_chunk_masked.json,
+# public op, uint8 mask, forward+backward x roofline, 2048 / 4096 / 8192): bf16 with entropy
+# 1.083 / 1.064 / 1.068, bf16 log-prob only 1.044 / 1.036 / 1.054, fp32 1.023 / 1.017 / 1.030.
 _CHUNK_V = 2048
+_CHUNK_V_MASKED = 4096
 
 
 def mosaic_defaults(config: MosaicConfig, *, itemsize: int, masked: bool,
@@ -119,7 +123,7 @@ def mosaic_defaults(config: MosaicConfig, *, itemsize: int, masked: bool,
     num_stages = config.num_stages or max(2, min(6, budget // per_stage))
     return dataclasses.replace(
         config, block_v=block_v, num_stages=num_stages,
-        chunk_v=config.chunk_v or _CHUNK_V)
+        chunk_v=config.chunk_v or (_CHUNK_V_MASKED if masked else _CHUNK_V))
 
 
 def mosaic_supported(num_vocab: int, itemsize: int, masked: bool) -> bool:

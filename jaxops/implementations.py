@@ -85,17 +85,21 @@ def _mosaic_usable() -> bool:
 
 
 def pallas_backend(num_vocab: int, itemsize: int, mask_dtype, capability,
-                   mosaic_usable: bool = True) -> str:
+                   mosaic_usable: bool = True, num_tokens: int | None = None) -> str:
     """The Pallas backend "pallas" means for one call on a GPU: "pallas_mosaic" or
     "pallas_triton".
 
     `num_vocab`: V_loc; `itemsize`: the logits' bytes per element; `mask_dtype`: None,
     or the dtype the kernels would be handed the keep mask in; `capability`: the GPU's
-    compute capability (major, minor), None if unknown. Mosaic where it runs (sm_90+,
-    a JAX with its pieces, a V_loc its TMA tiles take) and was measured faster: V_loc >=
-    MOSAIC_MIN_VOCAB and the mask, if any, in bytes (uint8/int8). A bool mask would
-    cost the Mosaic kernels an XLA pass over it (`pallas_mosaic._mask_bytes`; on the
-    H200 a bf16 masked forward 2.6x slower), which the Triton kernels do not pay."""
+    compute capability (major, minor), None if unknown; `num_tokens`: the call's T
+    (None: not known, taken as a multiple of 8). Mosaic where it runs (sm_90+, a JAX
+    with its pieces, a V_loc its TMA tiles take) and was measured faster: V_loc >=
+    MOSAIC_MIN_VOCAB, the mask, if any, in bytes (uint8/int8), and T < 8 or a multiple
+    of 8. A bool mask would cost the Mosaic kernels an XLA pass over it
+    (`pallas_mosaic._mask_bytes`; on the H200 a bf16 masked forward 2.6x slower), which
+    the Triton kernels do not pay. Other T move untiled tiles (`pallas_mosaic._transforms`):
+    on the H200 at V = 151,936 with entropy, bf16 T = 8191 took 3.00 ms forward+backward
+    against 1.86 ms at T = 8192 (Triton: 2.00 ms), fp32 3.81 ms (Triton 3.78 ms)."""
     import numpy as np
 
     if capability is None or tuple(capability) < (9, 0) or not mosaic_usable:
@@ -104,15 +108,17 @@ def pallas_backend(num_vocab: int, itemsize: int, mask_dtype, capability,
         return "pallas_triton"
     if not mosaic_supported(num_vocab, itemsize, mask_dtype is not None):
         return "pallas_triton"
+    if num_tokens is not None and num_tokens > 8 and num_tokens % 8:
+        return "pallas_triton"
     return "pallas_mosaic" if num_vocab >= MOSAIC_MIN_VOCAB else "pallas_triton"
 
 
 def for_call(name: str, config, pallas_config=None, *, num_vocab: int, itemsize: int,
-             mask_dtype, platform: str | None = None):
+             mask_dtype, platform: str | None = None, num_tokens: int | None = None):
     """(name, config) from `resolve`, made concrete for one call: "pallas" becomes
     "pallas_mosaic" or "pallas_triton" (`pallas_backend` on this process's first GPU);
-    the other names pass through. `num_vocab`, `itemsize`, `mask_dtype`: as for
-    `pallas_backend`. `pallas_config` is what the caller passed to
+    the other names pass through. `num_vocab`, `itemsize`, `mask_dtype`, `num_tokens`: as
+    for `pallas_backend`. `pallas_config` is what the caller passed to
     `resolve`: a `MosaicConfig` picks Mosaic, non-default `PallasConfig` parameters
     pick Triton (they tune its kernels). Off-GPU (interpret mode) "pallas" stays the
     Triton kernels."""
@@ -126,7 +132,8 @@ def for_call(name: str, config, pallas_config=None, *, num_vocab: int, itemsize:
     else:
         found = _first_gpu_capability()
         backend = pallas_backend(num_vocab, itemsize, mask_dtype,
-                                 None if found is None else found[1], _mosaic_usable())
+                                 None if found is None else found[1], _mosaic_usable(),
+                                 num_tokens)
     if backend == "pallas_triton":
         return backend, config
     return resolve(backend, platform, pallas_config)

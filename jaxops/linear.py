@@ -338,11 +338,11 @@ def linear_logprob_entropy(
         with_entropy=with_entropy, entropy_grad=entropy_grad, axis_name=axis_name,
         device_array=hidden)
 
+    num_tokens = int(np.prod(lead_shape))
     # The kernels get the keep mask as bool (below), whatever its dtype here.
     impl, config = implementations.for_call(
         impl, config, pallas_config, num_vocab=num_vocab, itemsize=jnp.dtype(hidden.dtype).itemsize,
-        mask_dtype=None if keep_mask is None else jnp.bool_)
-    num_tokens = int(np.prod(lead_shape))
+        mask_dtype=None if keep_mask is None else jnp.bool_, num_tokens=num_tokens)
     if num_tokens == 0:
         empty = jnp.zeros(lead_shape, jnp.promote_types(hidden.dtype, jnp.float32))
         return empty, (empty if with_entropy else None)

@@ -379,7 +379,8 @@ def backward_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, entro
     scratch = ([plgpu.SMEM((_ROWS,), jnp.int32)]
                + [plgpu.SMEM((_ROWS,), jnp.float32)] * (num_in - 1)
                + [plgpu.SMEM((config.num_stages, _ROWS, config.block_v), dtype,
-                             transforms=pm._transforms(num_vocab, itemsize, config.block_v)),
+                             transforms=pm._transforms(num_tokens, num_vocab, itemsize,
+                                                       config.block_v)),
                   plgpu.Barrier(num_arrivals=num_in, num_barriers=1)])
     return plgpu.kernel(
         functools.partial(pm._backward_kernel, num_vocab=num_vocab, inv_tau=float(inv_tau),

@@ -26,7 +26,9 @@ shares the row's exponential where that is exact (`_forward_kernel`).
 
 Shapes taken (`pallas_config.mosaic_supported`): V_loc a multiple of 32 bytes of logits (fp32: 8, bf16:
 16; the swizzled SMEM tile) and, with a mask, of 16 (TMA's row-stride alignment);
-other shapes fall back to the XLA implementation with a RuntimeWarning. The kernels
+other shapes fall back to the XLA implementation with a RuntimeWarning. Any T: where
+T > 8 is not a multiple of 8 the tiles move unswizzled (`_transforms`), bitwise the
+same results, slower (bf16 1.6x at T = 8191; "pallas" picks Triton for such T). The kernels
 read the mask as bytes: a uint8 mask (nonzero = kept) in place, a bool one after
 `_mask_bytes`'s XLA pass over it (on the H200 that pass makes a bf16 masked forward
 2.6x slower: benchmarks/NOTES.md, "Mosaic kernels, session 10").
@@ -111,17 +113,21 @@ def _read_unoptimized(ref, layout, config: MosaicConfig):
     return plgpu.load(ref, layout=layout, optimized=False)  # 0.11: index the ref instead
 
 
-def _mask_reader(num_vocab: int, block_v: int, masked: bool, config: MosaicConfig):
-    """(the mask tiles' SMEM transforms, fn reading a mask tile as bool [64, block_v] in
-    the WGMMA layout). Without a swizzle that V_loc admits, the load accepts bank
-    conflicts (`_read_unoptimized`)."""
-    transforms = _transforms(num_vocab, 1, block_v) if masked else ()
+def _tile_reader(transforms, config: MosaicConfig):
+    """fn reading a [64, block_v] SMEM tile into registers in the WGMMA layout; from an
+    untiled tile (no `transforms`) the load accepts bank conflicts."""
+    if transforms:
+        return lambda ref: _read(ref, plgpu.Layout.WGMMA, config)
+    return lambda ref: _read_unoptimized(ref, plgpu.Layout.WGMMA, config)
 
-    def read(ref):
-        if transforms:
-            return _read(ref, plgpu.Layout.WGMMA, config) != 0
-        return _read_unoptimized(ref, plgpu.Layout.WGMMA, config) != 0
-    return transforms, read
+
+def _mask_reader(num_tokens: int, num_vocab: int, block_v: int, masked: bool,
+                 config: MosaicConfig):
+    """(the mask tiles' SMEM transforms, fn reading a mask tile as bool [64, block_v] in
+    the WGMMA layout)."""
+    transforms = _transforms(num_tokens, num_vocab, 1, block_v) if masked else ()
+    read = _tile_reader(transforms, config)
+    return transforms, lambda ref: read(ref) != 0
 
 
 def _rows_layout():
@@ -145,13 +151,19 @@ def _any_row(flags, zero):
 
 # --- shapes, tiles, chunks ---------------------------------------------------------------
 
-def _transforms(num_vocab: int, itemsize: int, block_v: int):
-    """SMEM tiling + swizzle for a [64, block_v] tile, or () where V_loc admits none.
+def _transforms(num_tokens: int, num_vocab: int, itemsize: int, block_v: int):
+    """SMEM tiling + swizzle for a [64, block_v] tile of a [T, V_loc] operand, or ()
+    where its shape admits none.
 
     The WGMMA-layout load from (and store to) SMEM is free of bank conflicts only
-    from a tiled, swizzled tile; TMA fills one only if the tile width divides the
-    GMEM row, so the widest swizzle whose width divides V_loc is used (128 bytes
-    for V = 151,936; 64 for fp32 at V_loc = 18,992)."""
+    from a tiled, swizzled tile. TMA fills one from a descriptor of the whole GMEM
+    operand tiled the same way, (8, width), so the tile width must divide V_loc (the
+    widest swizzle whose width does is used: 128 bytes for V = 151,936; 64 for fp32 at
+    V_loc = 18,992) and 8 must divide T unless T < 8 (Mosaic GPU's `TileTransform`
+    rejects the operand otherwise). Other shapes move untiled tiles and read them with
+    bank conflicts (`_tile_reader`)."""
+    if num_tokens > 8 and num_tokens % 8:
+        return ()
     for swizzle in (128, 64, 32):
         width = swizzle // itemsize
         if num_vocab % width == 0 and block_v % width == 0:
@@ -240,7 +252,8 @@ def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, ite
       That is exact to rounding while the kept maximum is within `_SHARED_EXP_GAP` of the
       row maximum (a top-p mask keeps the row maximum: the gap is 0). Otherwise one
       more pass over the chunk, taken by the whole CTA, sums the kept logits relative to
-      their own maximum, as `xla.py` does."""
+      their own maximum, as `xla.py` does; only the far rows take that sum, so a row's
+      bits never depend on its neighbours."""
     refs = list(refs)
     logits_ref = refs.pop(0)
     mask_ref = refs.pop(0) if masked else None
@@ -262,7 +275,10 @@ def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, ite
     scale = inv_tau * _LOG2E
     shape = (_ROWS, block_v)
     wgmma = plgpu.Layout.WGMMA
-    mask_transforms, read_mask = _mask_reader(num_vocab, block_v, masked, config)
+    num_tokens = logits_ref.shape[0]
+    mask_transforms, read_mask = _mask_reader(num_tokens, num_vocab, block_v, masked, config)
+    transforms = _transforms(num_tokens, num_vocab, itemsize, block_v)
+    read_logits = _tile_reader(transforms, config)
     # A float32 tile of ones (where(c, 1.0, 0.0) of two Python floats is float64 under x64).
     ones = _layout(jnp.full(shape, 1.0, jnp.float32), wgmma, config) if with_target else None
 
@@ -278,7 +294,7 @@ def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, ite
     def read_raw(logits_smem, j, edge):
         """(stored tile, raw float32 tile with the columns left out at _EXCLUDED, in-vocab
         mask or None)."""
-        stored = _read(logits_smem, wgmma, config)
+        stored = read_logits(logits_smem)
         raw = jnp.maximum(stored.astype(jnp.float32), _EXCLUDED)
         if not edge:
             return stored, raw, None
@@ -325,7 +341,6 @@ def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, ite
                         lambda c: update(j, tile_refs, c, edge=True),
                         lambda c: update(j, tile_refs, c, edge=False), carry)
 
-    transforms = _transforms(num_vocab, itemsize, block_v)
     specs = [plgpu.BlockSpec(shape, lambda j: (row_block, first_tile + j),
                              transforms=transforms)]
     gmem = [logits_ref]
@@ -361,8 +376,11 @@ def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, ite
                 return kept + kept_exp.sum(axis=1)
             return run(kept_step, zero)
 
-        # One row far from its maximum sends the block through the pass.
-        kept_sum = lax.cond(_any_row(far, zero), exact_kept_sum, lambda: kept_sum)
+        # One row far from its maximum sends the block through the pass; only the far
+        # rows take its sum, so a row's result does not depend on its neighbours.
+        kept_sum = lax.cond(_any_row(far, zero),
+                            lambda: jnp.where(far, exact_kept_sum(), kept_sum),
+                            lambda: kept_sum)
     results = [r for r in (row_max, sum_exp, shifted, kept_max, kept_sum, target_sum,
                            target_kept) if r is not None]
     rows = pl.ds(row_block * _ROWS, _ROWS)
@@ -502,7 +520,10 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsiz
     scale = inv_tau * _LOG2E
     shape = (_ROWS, block_v)
     wgmma = plgpu.Layout.WGMMA
-    mask_transforms, read_mask = _mask_reader(num_vocab, block_v, masked, config)
+    num_tokens = logits_ref.shape[0]
+    mask_transforms, read_mask = _mask_reader(num_tokens, num_vocab, block_v, masked, config)
+    transforms = _transforms(num_tokens, num_vocab, itemsize, block_v)
+    read_logits = _tile_reader(transforms, config)
 
     def step(indices, *tile_refs, shared_exp=False):
         (j,) = indices
@@ -513,24 +534,28 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsiz
         cols = (first_tile + j) * block_v + _layout(
             lax.broadcasted_iota(jnp.int32, shape, 1), wgmma, config)
         # Columns past V_loc are never stored (TMA clips them): no vocabulary mask.
-        raw = jnp.maximum(_read(logits_smem, wgmma, config).astype(jnp.float32), _EXCLUDED)
+        raw = jnp.maximum(read_logits(logits_smem).astype(jnp.float32), _EXCLUDED)
         d = raw * scale + _per_col(neg_ref, shape)  # (x - m) * log2(e)
         exp_d = jnp.exp2(d)
         coef = _per_col(coef_sum, shape)
         if entropy:
             coef = coef + _per_col(coef_shifted, shape) * d
         onehot = cols == _per_col(target, shape)
-        if masked and shared_exp:  # the kept softmax from the row's exponential
-            keep = read_mask(mask_smem)
-            grad = exp_d * (coef + jnp.where(keep | onehot, _per_col(coef_shared, shape),
-                                             0.0))
+        if masked:
+            kept = read_mask(mask_smem) | onehot
+            # The kept softmax from the row's exponential (exact where the kept maximum
+            # is near the row maximum) ...
+            grad = exp_d * (coef + jnp.where(kept, _per_col(coef_shared, shape), 0.0))
+            if not shared_exp:
+                # ... and from its own exponential in the rows where it is not. The
+                # other rows keep the expression above, bit for bit.
+                far_rows = _per_col(far_flag, shape) != 0.0
+                masked_exp = jnp.exp2(raw * scale + _per_col(masked_neg_ref, shape))
+                far_grad = exp_d * coef + jnp.where(
+                    kept, masked_exp * _per_col(coef_masked, shape), 0.0)
+                grad = jnp.where(far_rows, far_grad, grad)
         else:
             grad = exp_d * coef
-            if masked:
-                keep = read_mask(mask_smem)
-                masked_exp = jnp.exp2(raw * scale + _per_col(masked_neg_ref, shape))
-                grad = grad + jnp.where(keep | onehot,
-                                        masked_exp * _per_col(coef_masked, shape), 0.0)
         grad = grad + jnp.where(onehot, _per_col(coef_target, shape), 0.0)
         # The gradient's own ring of `stages` SMEM slots: the slot written now was
         # last stored stages steps ago; wait until that TMA store has read it.
@@ -545,7 +570,6 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsiz
             dlogits_ref.at[pl.ds(row_block * _ROWS, _ROWS),
                            pl.ds((first_tile + j) * block_v, block_v)])
 
-    transforms = _transforms(num_vocab, itemsize, block_v)
     index = lambda j: (row_block, first_tile + j)  # noqa: E731
     in_specs = [plgpu.BlockSpec(shape, index, transforms=transforms)]
     gmem = [logits_ref]
@@ -562,11 +586,13 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsiz
         # As in the forward: the kept softmax's exponential is the row's times a per-row
         # factor where the kept maximum is within _SHARED_EXP_GAP of the row maximum
         # (rows that keep nothing have coef_masked 0); a block with a row farther off
-        # takes the body with a second exponential (CTA-uniform choice).
+        # takes the body with a second exponential (CTA-uniform choice), used by the far
+        # rows only (batch invariance).
         gap = masked_neg_ref - neg_ref  # (m - kept m) * log2(e) >= 0
         coef_shared = coef_masked * jnp.exp2(jnp.minimum(gap, _SHARED_EXP_GAP))
         zero = _row_vector(0.0, jnp.float32, config)
         far = (gap > _SHARED_EXP_GAP) & (coef_masked != 0.0)
+        far_flag = jnp.where(far, zero + 1.0, zero)  # float: broadcast along the row
         lax.cond(_any_row(far, zero),
                  lambda: run(step),
                  lambda: run(functools.partial(step, shared_exp=True)))
@@ -626,7 +652,8 @@ def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
         scratch_types=[plgpu.SMEM((_ROWS,), jnp.int32),
                        plgpu.SMEM((num_vectors, _ROWS), jnp.float32),
                        plgpu.SMEM((config.num_stages, _ROWS, config.block_v), logits.dtype,
-                                  transforms=_transforms(num_vocab, itemsize, config.block_v)),
+                                  transforms=_transforms(num_tokens, num_vocab, itemsize,
+                                                         config.block_v)),
                        # num_barriers explicit: its default is 1 (a [1] ref) in
                        # 0.10 and () (a scalar ref) in 0.11.
                        plgpu.Barrier(num_arrivals=2, num_barriers=1)],

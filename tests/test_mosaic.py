@@ -185,6 +185,39 @@ def test_rows_are_batch_invariant_in_interpret_mode():
         np.testing.assert_array_equal(alone_grad[0], batch_grad[row])
 
 
+def test_far_kept_maximum_does_not_change_its_neighbours():
+    """A row whose kept maximum is far below its row maximum takes a second
+    exponential (`_SHARED_EXP_GAP`); the other rows of its 64-row block must not: their
+    statistics are bitwise those they have alone. Their gradient takes the same
+    expression in the kernel's other body; how that compiles is the compiler's (XLA's
+    CPU fusion here differs by an ulp), so here it is compared to float32 rounding and
+    bit for bit on the GPU (test_batch_invariance.py)."""
+    logits, targets, mask = _inputs(8, 70, 1360, F32, "random")
+    mask = mask.at[:, 0].set(False)
+    # Row 1: an unkept logit 200 above everything kept: 200 * log2(e) >> 64.
+    logits = logits.at[1, 0].set(200.0)
+    inv_tau = 1.0
+    coefs = BackwardCoefs(*[jnp.linspace(-1, 1, 70, dtype=jnp.float32) + i for i in range(4)])
+
+    def run(rows):
+        stats = pallas_mosaic.forward_stats(logits[rows], targets[rows], mask[rows],
+                                            inv_tau=inv_tau, with_entropy=True,
+                                            config=INTERPRET)
+        grad = pallas_mosaic.backward_logits(
+            logits[rows], targets[rows], mask[rows], stats.max_logit, stats.masked_max,
+            BackwardCoefs(*[c[rows] for c in coefs]), inv_tau=inv_tau, config=INTERPRET)
+        return stats, grad
+
+    with_far, grad_with_far = run(np.arange(70))
+    for row in (0, 2, 63):
+        alone, grad_alone = run(np.array([row]))
+        for name, a, b in zip(with_far._fields, alone, with_far):
+            if a is not None:
+                np.testing.assert_array_equal(a[0], b[row], err_msg=f"{name}, row {row}")
+        np.testing.assert_allclose(grad_alone[0], grad_with_far[row], rtol=1e-5, atol=1e-9,
+                                   err_msg=f"row {row}")
+
+
 def test_unaligned_vocabulary_falls_back_to_xla():
     logits, targets, mask = _inputs(2, 3, 1001, F32, "random")
     with pytest.warns(RuntimeWarning, match="XLA implementation"):
@@ -244,6 +277,16 @@ def test_implementation_names():
 def test_which_backend_pallas_means(num_vocab, itemsize, mask_dtype, capability, usable, want):
     assert implementations.pallas_backend(num_vocab, itemsize, mask_dtype, capability,
                                           usable) == want
+
+
+@pytest.mark.parametrize("num_tokens, want", [
+    (None, "pallas_mosaic"), (1, "pallas_mosaic"), (7, "pallas_mosaic"), (8, "pallas_mosaic"),
+    (8192, "pallas_mosaic"), (9, "pallas_triton"), (1023, "pallas_triton"),
+    (8191, "pallas_triton"),  # T > 8, not a multiple of 8: untiled Mosaic tiles, slower
+])
+def test_which_backend_pallas_means_by_tokens(num_tokens, want):
+    assert implementations.pallas_backend(151936, 2, None, (9, 0), True,
+                                          num_tokens=num_tokens) == want
 
 
 def test_pallas_is_made_concrete_per_call(monkeypatch):
@@ -316,6 +359,12 @@ def _lower_for_cuda(num_tokens, num_vocab, dtype, masked, with_entropy):
     (8192, 18992, F32, True, True),  # 8-way shard: narrower swizzle, unswizzled mask
     (8192, 18992, BF16, False, True),
     (1, 18992, BF16, True, True),
+    # T > 8 and not a multiple of 8: the operands' TMA descriptors cannot be tiled by 8
+    # rows, the tiles move untiled (_transforms).
+    (100, 151936, F32, True, True),
+    (8191, 151936, BF16, False, True),
+    (1001, 18992, F32, True, True),
+    (9, 1024, BF16, True, False),
 ])
 def test_lowers_for_cuda(num_tokens, num_vocab, dtype, masked, with_entropy):
     with warnings.catch_warnings():
@@ -325,7 +374,7 @@ def test_lowers_for_cuda(num_tokens, num_vocab, dtype, masked, with_entropy):
 
 # --- on the GPU ------------------------------------------------------------------------
 
-GPU_SIZES = [(t, v) for t in (1, 7, 1000, 8192) for v in (1000, 18992, 151936)]
+GPU_SIZES = [(t, v) for t in (1, 7, 1000, 1001, 8192) for v in (1000, 18992, 151936)]
 
 
 @pytest.mark.gpu

@@ -12,10 +12,15 @@ caching allocator:
               both where the vocabulary is one chunk (V_loc up to ~4-6K)
     backward  torch allocates d logits; per window one kernel stores its rows into it
 
-Taken when (`applies`): CUDA, implementation "pallas_mosaic", one vocabulary shard
-(no process group, or a group of one), the eager autograd route, the logits on the
-current CUDA device, and a shape the kernels take (`mosaic_direct.supported`);
-everything else goes through JAX (`_run.py`). Work on another stream than the
+Taken when (`applies`): CUDA, implementation "pallas" (the default) or "pallas_mosaic",
+one vocabulary shard (no process group, or a group of one), the eager autograd route,
+the logits on the current CUDA device, a GPU Mosaic GPU compiles for (sm_90+) and a
+shape the kernels take (`mosaic_direct.supported`); everything else goes through JAX
+(`_run.py`). For "pallas" this holds even where the JAX op would pick the Triton
+kernels (V_loc below `implementations.MOSAIC_MIN_VOCAB`): without JAX's per-call host
+cost the direct route was faster on the H200 at every size measured up to T = 16,384
+(V_loc 18,992 and 37,984, bf16/fp32, with and without a mask) and within 5% of the JAX
+route at T = 32,768 (benchmarks/NOTES.md, "The bridge's default route"). Work on another stream than the
 default is fenced with stream waits (no host sync).
 
 The launcher (`_Launcher`) is built from the two pieces `plgpu.as_torch_kernel` is
@@ -70,7 +75,9 @@ def _ready() -> bool:
 
 
 def applies(plan, world: int, want_stats: bool) -> bool:
-    if want_stats or world != 1 or not plan.dev.cuda or plan.implementation != "pallas_mosaic":
+    if want_stats or world != 1 or not plan.dev.cuda:
+        return False
+    if plan.implementation != "pallas_mosaic" and not plan.auto:
         return False
     if plan.logits.device.index != torch.cuda.current_device():
         return False

@@ -98,7 +98,7 @@ class Plan:
     """One call's torch inputs on one device, cut into row windows (torch views)."""
 
     __slots__ = ("dev", "logits", "mask", "raw_targets", "target_mode", "words",
-                 "windows", "implementation", "config", "num_tokens", "num_vocab")
+                 "windows", "implementation", "config", "num_tokens", "num_vocab", "auto")
 
     def __init__(self, logits, targets, keep_mask, implementation):
         dev = self.dev = _dlpack.device(logits.device)
@@ -110,6 +110,9 @@ class Plan:
         self.implementation, self.config = implementation_for(
             implementation, dev, num_vocab=logits.shape[-1], itemsize=logits.element_size(),
             mask_dtype=None if keep_mask is None else np.uint8)
+        # "pallas" (the CUDA default) leaves the route to the bridge: the direct one where
+        # it applies (`_direct.applies`), whichever backend the JAX op would pick.
+        self.auto = dev.cuda and (implementation or "pallas") == "pallas"
         if self.implementation == "pallas_mosaic" and self.mask is not None:
             self.mask = self.mask.view(torch.uint8)
         self.num_tokens, self.num_vocab = logits.shape
@@ -199,7 +202,8 @@ class ForwardState:
 def forward(plan: Plan, inv_tau, with_entropy, group_name, rank, world, *,
             want_stats: bool):
     """-> (outputs [n_out, T] float32 torch, stats [R, K, T] torch or None, state for
-    `backward`). CUDA + "pallas_mosaic" + one shard takes the direct route (`_direct.py`)."""
+    `backward`). On CUDA with one shard, "pallas" (the default) and "pallas_mosaic" take
+    the direct route where it applies (`_direct.py`)."""
     if _direct.applies(plan, world, want_stats):
         outputs, state = _direct.forward(plan, inv_tau, with_entropy)
         return outputs, None, state

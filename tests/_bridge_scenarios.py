@@ -143,8 +143,9 @@ def load_megatron():
 # ---------------------------------------------------------------------------
 
 def run_scenario(sc: Scenario, *, group, meg_group, rank: int, world: int, device,
-                 megatron=None, seed: int = 0):
-    """Raise AssertionError (naming what failed) unless the bridge matches."""
+                 megatron=None, seed: int = 0, implementation=None):
+    """Raise AssertionError (naming what failed) unless the bridge matches.
+    `implementation`: passed to `bridge.logprob_entropy` (the slime drop-in has none)."""
     import torch
     from _oracle import VALUE_RTOL
 
@@ -168,7 +169,8 @@ def run_scenario(sc: Scenario, *, group, meg_group, rank: int, world: int, devic
             return lp[:, 0], h
         return bridge.logprob_entropy(
             x, y, process_group=group, keep_mask=mask, temperature=tau,
-            with_entropy=with_entropy, entropy_grad=entropy_grad)
+            with_entropy=with_entropy, entropy_grad=entropy_grad,
+            implementation=implementation)
 
     lp, h = call()
     # --- reference on the full vocabulary, float64 --------------------------------

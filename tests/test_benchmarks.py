@@ -23,7 +23,8 @@ from benchmarks import bench, cases, harness, report  # stdlib-only at import ti
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(REPO, "benchmarks")
 ENTRY_SCRIPTS = ("bench", "report", "plot", "tune", "profile_kernels", "gpu_smoke",
-                 "bridge_overhead", "kernel_asm", "mosaic_tune", "backend_choice")
+                 "bridge_overhead", "kernel_asm", "mosaic_tune", "backend_choice",
+                 "bridge_backend_choice")
 
 
 def _run(*args, timeout=900, cwd=REPO, pythonpath=True):

@@ -45,8 +45,35 @@ def megatron():
 
 @pytest.mark.parametrize("sc", S.scenarios(full=True), ids=lambda sc: sc.name)
 def test_cuda_tp1(sc, nccl_group, megatron):
+    """The default implementation: on sm_90+ the direct route (`bridge/_direct.py`)."""
     S.run_scenario(sc, group=nccl_group, meg_group=nccl_group, rank=0, world=1,
                    device=CUDA, megatron=megatron)
+
+
+@pytest.mark.parametrize("sc", [sc for sc in S.scenarios(full=True) if sc.api != "slime"],
+                         ids=lambda sc: sc.name)
+def test_cuda_tp1_through_jax(sc, nccl_group, megatron):
+    """The same scenarios through JAX (the Triton kernels): the route of GPUs before
+    Hopper and of process groups of more than one rank."""
+    S.run_scenario(sc, group=nccl_group, meg_group=nccl_group, rank=0, world=1,
+                   device=CUDA, megatron=megatron, implementation="pallas_triton")
+
+
+def test_default_takes_the_direct_route():
+    """On sm_90+ the default ("pallas") launches the Mosaic kernels from torch, also at
+    a V_loc where the JAX op would pick the Triton kernels (bridge/_direct.py)."""
+    from bridge import _direct, _jaxfns
+
+    if torch.cuda.get_device_capability(CUDA) < (9, 0):
+        pytest.skip("the direct route needs sm_90+")
+    x = torch.randn(24, 18992, device=CUDA, dtype=torch.bfloat16, requires_grad=True)
+    y = torch.randint(0, 18992, (24,), device=CUDA)
+    launchers, programs = _direct.compiled_launchers(), _jaxfns.compiled_programs()
+    lp, h = bridge.logprob_entropy(x, y)
+    torch.autograd.grad([lp, h], x, [torch.ones_like(lp), torch.ones_like(h)])
+    new_launchers = _direct.compiled_launchers() - launchers
+    assert new_launchers > 0
+    assert _jaxfns.compiled_programs() - programs == new_launchers  # no JAX program
 
 
 def test_cuda_uses_pallas_and_fast_dlpack():
@@ -80,7 +107,8 @@ def test_cuda_large_vocab(dtype):
     assert S.rel_err(g, g_r) <= S.grad_tol(str(dtype).replace("torch.", ""))
 
 
-def test_stream_ordering_without_host_sync():
+@pytest.mark.parametrize("impl", ["pallas", "pallas_triton"])
+def test_stream_ordering_without_host_sync(impl):
     """On a side stream: logits written at the end of a long GPU chain, the bridge called
     at once, its outputs consumed and its input overwritten right after -- no sync in
     between. Any missing stream dependency reads or writes the wrong values."""
@@ -91,7 +119,7 @@ def test_stream_ordering_without_host_sync():
     g = torch.randn(T, device=CUDA, generator=gen)
     # compile the JAX functions for these shapes first
     warm = base.clone().requires_grad_()
-    torch.autograd.grad(bridge.logprob_entropy(warm, y)[0], warm, g)
+    torch.autograd.grad(bridge.logprob_entropy(warm, y, implementation=impl)[0], warm, g)
     lp_r, h_r = S.reference(base.double(), y, None, 1.0)
     torch.cuda.synchronize()
 
@@ -102,7 +130,7 @@ def test_stream_ordering_without_host_sync():
         with torch.no_grad():
             x.copy_(base)
         x.requires_grad_()
-        lp, h = bridge.logprob_entropy(x, y, check_targets=False)
+        lp, h = bridge.logprob_entropy(x, y, check_targets=False, implementation=impl)
         lp_used, h_used = lp * 1.0, h * 1.0  # torch reads JAX's outputs immediately
         (d,) = torch.autograd.grad(lp, x, g)
         d_used = d * 1.0
@@ -116,7 +144,8 @@ def test_stream_ordering_without_host_sync():
     assert torch.isfinite(d_used).all() and S.rel_err(d_used, d_r) < 1e-5
 
 
-def test_no_host_synchronisation():
+@pytest.mark.parametrize("impl", ["pallas", "pallas_triton"])
+def test_no_host_synchronisation(impl):
     """With check_targets=False a forward+backward returns to the host while the GPU is
     still busy with earlier work: nothing in the bridge (torch or JAX side) waits."""
     T, V = 32, 32000
@@ -124,11 +153,12 @@ def test_no_host_synchronisation():
     y = torch.randint(0, V, (T,), device=CUDA)
     g = torch.randn(T, device=CUDA)
     for _ in range(2):  # compile + warm
-        torch.autograd.grad(bridge.logprob_entropy(x, y, check_targets=False), x, [g, g])
+        torch.autograd.grad(bridge.logprob_entropy(x, y, check_targets=False,
+                                                   implementation=impl), x, [g, g])
     torch.cuda.synchronize()
     torch.cuda._sleep(1_000_000_000)  # ~0.5 s of GPU time queued ahead of the bridge
     t0 = time.perf_counter()
-    lp, h = bridge.logprob_entropy(x, y, check_targets=False)
+    lp, h = bridge.logprob_entropy(x, y, check_targets=False, implementation=impl)
     torch.autograd.grad([lp, h], x, [g, g])
     host = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -139,12 +169,13 @@ def test_no_host_synchronisation():
     # and the check does synchronise (so this test can tell the difference)
     torch.cuda._sleep(1_000_000_000)
     t0 = time.perf_counter()
-    bridge.logprob_entropy(x, y, check_targets=True)
+    bridge.logprob_entropy(x, y, check_targets=True, implementation=impl)
     assert time.perf_counter() - t0 > 0.05
     torch.cuda.synchronize()
 
 
-def test_torch_sync_debug_mode_sees_no_sync():
+@pytest.mark.parametrize("impl", ["pallas", "pallas_triton"])
+def test_torch_sync_debug_mode_sees_no_sync(impl):
     """Fresh targets every call (as in training), varying T (row windows, overlapping
     ones included), a mask, the slime drop-in: torch sees no synchronisation."""
     V = 1024
@@ -153,7 +184,7 @@ def test_torch_sync_debug_mode_sees_no_sync():
         x = torch.randn(T, V, device=CUDA, requires_grad=True)
         mask = torch.rand(T, V, device=CUDA) < 0.3 if masked else None
         lp, h = bridge.logprob_entropy(x, torch.randint(0, V, (T,), device=CUDA),
-                                       keep_mask=mask)
+                                       keep_mask=mask, implementation=impl)
         torch.autograd.grad([lp, h], x, [torch.ones_like(lp), torch.ones_like(h)])
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -162,18 +193,20 @@ def test_torch_sync_debug_mode_sees_no_sync():
             x = torch.randn(T, V, device=CUDA, requires_grad=True)
             y = torch.randint(0, V, (T,), device=CUDA)  # a new tensor every call
             mask = torch.rand(T, V, device=CUDA) < 0.3 if masked else None
-            lp, h = bridge.logprob_entropy(x, y, keep_mask=mask)
+            lp, h = bridge.logprob_entropy(x, y, keep_mask=mask, implementation=impl)
             torch.autograd.grad([lp, h], x, [torch.ones_like(lp), torch.ones_like(h)])
             lp2, h2 = bridge.calculate_log_probs_and_entropy(
                 x, y, None, with_entropy=True, log_prob_keep_mask=mask)
             torch.autograd.grad([lp2.sum(), h2.sum()], x)
         with pytest.raises(RuntimeError, match="synchroniz"):
-            bridge.logprob_entropy(x, y, check_targets=True)  # the opt-in check syncs
+            bridge.logprob_entropy(x, y, check_targets=True,  # the opt-in check syncs
+                                   implementation=impl)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
 
-def test_varying_t_bounded_compiles_and_exact():
+@pytest.mark.parametrize("impl", ["pallas", "pallas_triton"])
+def test_varying_t_bounded_compiles_and_exact(impl):
     """A loop whose T changes every call compiles a bounded set of programs (one per
     power-of-two window size, forward and backward), and every call is right."""
     from bridge import _jaxfns
@@ -181,13 +214,13 @@ def test_varying_t_bounded_compiles_and_exact():
     gen = torch.Generator(device=CUDA).manual_seed(7)
     V, t_max = 2048, 3000
     sizes = torch.randint(1, t_max + 1, (60,), generator=torch.Generator().manual_seed(7))
-    before = _jaxfns.compiled_programs()
+    before = _jaxfns.compiled_programs()  # the direct route's launchers included
     for i, T in enumerate(sizes.tolist()):
         x = (torch.randn(T, V, device=CUDA, generator=gen) * 3).to(torch.bfloat16)
         x.requires_grad_()
         y = torch.randint(0, V, (T,), device=CUDA, generator=gen)
         g1, g2 = torch.randn(T, device=CUDA), torch.randn(T, device=CUDA)
-        lp, h = bridge.logprob_entropy(x, y, temperature=0.9)
+        lp, h = bridge.logprob_entropy(x, y, temperature=0.9, implementation=impl)
         (g,) = torch.autograd.grad([lp, h], x, [g1, g2])
         xr = x.detach().double().requires_grad_()
         lp_r, h_r = S.reference(xr, y, None, 0.9)
@@ -196,9 +229,11 @@ def test_varying_t_bounded_compiles_and_exact():
         assert float((lp.double() - lp_r).abs().max()) <= 1e-5 * scale, (i, T)
         assert float((h.double() - h_r).abs().max()) <= 1e-5 * scale, (i, T)
         assert S.rel_err(g, g_r) <= S.grad_tol("bfloat16"), (i, T)
-    compiled = _jaxfns.compiled_programs() - before
-    bound = 2 * (t_max.bit_length() + 1)  # window sizes 1 .. 2**11, forward and backward
-    assert compiled <= bound, f"{compiled} programs compiled for 60 calls (bound {bound})"
+    new = _jaxfns.compiled_programs() - before
+    # Window sizes 1 .. 2**11, forward and backward; the direct route compiles up to two
+    # forward kernels per window size (partials and finish).
+    bound = (3 if impl == "pallas" else 2) * (t_max.bit_length() + 1)
+    assert 0 < new <= bound, f"{new} programs compiled for 60 calls (bound {bound})"
 
 
 def test_gradient_lives_in_torchs_cache_and_jax_holds_o_of_t():
@@ -264,6 +299,7 @@ def test_cuda_large_call_rows_match_reference():
 
 
 def test_cuda_zero_copy(monkeypatch):
+    """Through JAX (the route of multi-rank groups): DLPack hands over, no copies."""
     x = torch.randn(8, 512, device=CUDA, requires_grad=True)
     y = torch.randint(0, 512, (8,), device=CUDA)
     seen = []
@@ -272,7 +308,7 @@ def test_cuda_zero_copy(monkeypatch):
         ("in", t.data_ptr(), (a := to_jax(self, t)).unsafe_buffer_pointer(), t.shape)) or a)
     monkeypatch.setattr(_dlpack.Transfer, "to_torch", lambda self, a: seen.append(
         ("out", a.unsafe_buffer_pointer(), (t := to_torch(self, a)).data_ptr(), t.shape)) or t)
-    lp, h = bridge.logprob_entropy(x, y)
+    lp, h = bridge.logprob_entropy(x, y, implementation="pallas_triton")
     (g,) = torch.autograd.grad(lp.sum(), x)
     assert all(src == dst for _, src, dst, _ in seen), seen
     assert any(k == "in" and p == x.data_ptr() for k, p, _, _ in seen)

@@ -194,3 +194,33 @@ class _CudaFlag:
 
     def __getattr__(self, name):
         return True if name == "cuda" else getattr(self._dev, name)
+
+
+def test_which_calls_take_the_direct_route(monkeypatch):
+    """`_direct.applies`: "pallas" (the CUDA default) and "pallas_mosaic" on one shard in
+    eager mode, where the kernels take the shape; "pallas_triton" named explicitly, a
+    group of several ranks, the torch.compile route (which needs the statistics) and
+    shapes the kernels refuse go through JAX. (`_ready()`, the sm_90+ Mosaic GPU check,
+    is faked here.)"""
+    from types import SimpleNamespace as NS
+
+    monkeypatch.setattr(_direct, "_ready", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+    def plan(implementation, auto, num_vocab=18992, masked=False, cuda=True):
+        logits = NS(device=NS(index=0), element_size=lambda: 2)
+        return NS(dev=NS(cuda=cuda), implementation=implementation, auto=auto, config=None,
+                  logits=logits, num_vocab=num_vocab, mask=object() if masked else None)
+
+    assert _direct.applies(plan("pallas_triton", True), 1, False)  # "pallas", small V_loc
+    assert _direct.applies(plan("pallas_mosaic", True, masked=True), 1, False)
+    assert _direct.applies(plan("pallas_mosaic", False), 1, False)  # named
+    assert not _direct.applies(plan("pallas_triton", False), 1, False)  # named
+    assert not _direct.applies(plan("pallas_triton", True), 2, False)
+    assert not _direct.applies(plan("pallas_triton", True), 1, True)
+    assert not _direct.applies(plan("pallas_triton", True, num_vocab=1001), 1, False)
+    assert not _direct.applies(plan("xla", False, cuda=False), 1, False)
+    # On CPU "pallas" is no request for the direct route.
+    x, y = torch.randn(3, 64), torch.randint(0, 64, (3,))
+    assert not _run.Plan(x, y, None, None).auto
+    assert not _run.Plan(x, y, None, "pallas").auto

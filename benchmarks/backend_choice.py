@@ -14,8 +14,6 @@ if __name__ == "__main__" and not __package__:  # run by path: see benchmarks/__
     import os, sys  # noqa: E401
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import argparse, json  # noqa: E401
-
 import jax
 import jax.numpy as jnp
 
@@ -54,17 +52,7 @@ def run_case(num_tokens, num_vocab, dtype, with_entropy, impls=IMPLS, reps=5, ca
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    rows = []
-    for case in cases(args.quick):
-        rows.append(run_case(*case))
-        print(json.dumps(rows[-1]), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(dict(rows=rows), f, indent=1)
+    harness.run_case_table(__doc__.splitlines()[0], cases, run_case)
 
 
 if __name__ == "__main__":

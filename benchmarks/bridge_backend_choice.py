@@ -17,11 +17,13 @@ if __name__ == "__main__" and not __package__:  # run by path: see benchmarks/__
     import os, sys  # noqa: E401
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import argparse, json, os, statistics, time  # noqa: E401
+import os, statistics, time  # noqa: E401
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import torch  # noqa: E402
+
+from benchmarks import harness  # noqa: E402
 
 IMPLS = ("pallas_mosaic", "pallas_triton", "pallas")  # "pallas": the default, for the record
 
@@ -74,18 +76,8 @@ def run_case(num_tokens, num_vocab, dtype, masked, calls=30, pairs=5):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--quick", action="store_true")
-    args = parser.parse_args()
-    rows = []
-    for case in cases(args.quick):
-        rows.append(run_case(*case))
-        print(json.dumps(rows[-1]), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(dict(rows=rows), f, indent=1)
-        torch.cuda.empty_cache()
+    harness.run_case_table(__doc__.splitlines()[0], cases, run_case,
+                           after_case=torch.cuda.empty_cache)
 
 
 if __name__ == "__main__":

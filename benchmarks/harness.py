@@ -219,6 +219,26 @@ def write_json(path, obj):
     os.replace(tmp, path)
 
 
+def run_case_table(description, cases, run_case, after_case=None):
+    """The command line of the scripts that time one row per case: `--out FILE.json`
+    (rewritten after every case, {"rows": [...]}) and `--quick` (`cases(quick)` picks
+    the cases); each row is printed as one JSON line when done. `after_case()`: run
+    after each case (e.g. to free cached device memory)."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    rows = []
+    for case in cases(args.quick):
+        rows.append(run_case(*case))
+        print(json.dumps(rows[-1]), flush=True)
+        if args.out:
+            write_json(args.out, dict(rows=rows))
+        if after_case is not None:
+            after_case()
+    return rows
+
+
 def git_info():
     """The commit measured. BENCH_GIT_COMMIT wins: a device machine's copy of the tree
     may carry a stale .git (its HEAD is then not the tree that runs)."""

@@ -130,6 +130,17 @@ def _mask_reader(num_tokens: int, num_vocab: int, block_v: int, masked: bool,
     return transforms, lambda ref: read(ref) != 0
 
 
+def _operand_tiles(logits_ref, num_vocab: int, itemsize: int, block_v: int, masked: bool,
+                   config: MosaicConfig):
+    """(logits tiles' SMEM transforms, fn reading a logits tile, the mask tiles'
+    transforms, fn reading a mask tile as bool), for the [T, V_loc] operands of a kernel
+    whose logits are `logits_ref`."""
+    num_tokens = logits_ref.shape[0]
+    transforms = _transforms(num_tokens, num_vocab, itemsize, block_v)
+    return (transforms, _tile_reader(transforms, config),
+            *_mask_reader(num_tokens, num_vocab, block_v, masked, config))
+
+
 def _rows_layout():
     return plgpu.Layout.WGMMA.reduce(1)
 
@@ -275,10 +286,8 @@ def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, ite
     scale = inv_tau * _LOG2E
     shape = (_ROWS, block_v)
     wgmma = plgpu.Layout.WGMMA
-    num_tokens = logits_ref.shape[0]
-    mask_transforms, read_mask = _mask_reader(num_tokens, num_vocab, block_v, masked, config)
-    transforms = _transforms(num_tokens, num_vocab, itemsize, block_v)
-    read_logits = _tile_reader(transforms, config)
+    transforms, read_logits, mask_transforms, read_mask = _operand_tiles(
+        logits_ref, num_vocab, itemsize, block_v, masked, config)
     # A float32 tile of ones (where(c, 1.0, 0.0) of two Python floats is float64 under x64).
     ones = _layout(jnp.full(shape, 1.0, jnp.float32), wgmma, config) if with_target else None
 
@@ -520,10 +529,8 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsiz
     scale = inv_tau * _LOG2E
     shape = (_ROWS, block_v)
     wgmma = plgpu.Layout.WGMMA
-    num_tokens = logits_ref.shape[0]
-    mask_transforms, read_mask = _mask_reader(num_tokens, num_vocab, block_v, masked, config)
-    transforms = _transforms(num_tokens, num_vocab, itemsize, block_v)
-    read_logits = _tile_reader(transforms, config)
+    transforms, read_logits, mask_transforms, read_mask = _operand_tiles(
+        logits_ref, num_vocab, itemsize, block_v, masked, config)
 
     def step(indices, *tile_refs, shared_exp=False):
         (j,) = indices

@@ -105,6 +105,7 @@ def test_out_of_range_targets_give_nan():
     (32768, 151936, F32, True, True, True),
     (16, 1024, F32, True, True, False),  # one chunk: the single-kernel forward
     (4096, 4096, BF16, False, False, False),
+    (1001, 18992, BF16, True, True, False),  # T % 8 != 0: untiled tiles
 ])
 def test_direct_kernels_lower_for_cuda_as_one_kernel(num_tokens, num_vocab, dtype, masked,
                                                      with_entropy, gathered):

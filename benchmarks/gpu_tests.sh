@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Every GPU test of the project on one GPU, in two device calls of under 10 minutes each
+# (the device machine's limit per command):
+#     bash benchmarks/gpu_tests.sh a     # bridge (with Megatron), batch invariance, large sizes
+#     bash benchmarks/gpu_tests.sh b     # kernels: Mosaic, Triton/XLA, sharding, fused head
+# carry: .whl (a megatron-core wheel for the device's Python). Each file runs under its own
+# time limit, so one slow file cannot hide the others' results; logs (with pytest's
+# slowest durations) go to $OUT/<file>.log and one summary line per file is printed.
+set -u
+OUT=${OUT:-/tmp/gpu_tests}
+mkdir -p "$OUT" /tmp/site
+if ls .whl/megatron_core-*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-deps --no-index --target /tmp/site .whl/megatron_core-*.whl
+else
+    echo "no .whl/megatron_core-*.whl: the Megatron parity tests will fail" >&2
+fi
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+run() {  # run SECONDS FILE [pytest args...]
+    local limit=$1 file=$2; shift 2
+    local log="$OUT/$(basename "$file" .py).log" t0=$(date +%s)
+    timeout "$limit" python3 -m pytest -q -p no:cacheprovider -p no:warnings -rfs \
+        --durations=5 "$file" "$@" > "$log" 2>&1
+    local rc=$?
+    echo "== $file rc=$rc $(( $(date +%s) - t0 ))s: $(grep -E '(passed|failed|error)' "$log" | tail -n 1)"
+    [ $rc = 124 ] && echo "   (time limit $limit s hit: $(grep -cE '^\.|^F' "$log") progress lines)"
+}
+case "${1:-}" in
+    a)
+        run 170 tests/test_bridge_cuda.py
+        run 290 tests/test_batch_invariance.py -m gpu
+        run 60 tests/test_large_sizes.py -m gpu
+        run 60 tests/test_bridge_direct.py
+        ;;
+    b)
+        run 240 tests/test_mosaic.py -m gpu
+        run 120 tests/test_logprob_entropy.py -m gpu
+        run 60 tests/test_sharding_gpu.py
+        run 90 tests/test_bridge_linear.py -k cuda
+        ;;
+    *)
+        echo "usage: bash benchmarks/gpu_tests.sh a|b" >&2
+        exit 2
+        ;;
+esac

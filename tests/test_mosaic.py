@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import jaxops
 from jaxops import implementations, xla
@@ -370,6 +372,20 @@ def test_lowers_for_cuda(num_tokens, num_vocab, dtype, masked, with_entropy):
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no XLA fallback at these sizes
         _lower_for_cuda(num_tokens, num_vocab, dtype, masked, with_entropy)
+
+
+@settings(max_examples=25, deadline=None)
+@given(num_tokens=st.one_of(st.integers(1, 70), st.integers(71, 40000)),
+       vocab_units=st.integers(1, 16384), dtype=st.sampled_from([F32, BF16]),
+       masked=st.booleans(), with_entropy=st.booleans())
+def test_lowers_for_cuda_at_random_shapes(num_tokens, vocab_units, dtype, masked,
+                                          with_entropy):
+    """Any T and any V_loc the kernels take (`mosaic_supported`: multiples of 16
+    here) lower for CUDA: Mosaic GPU checks its layouts and TMA descriptors there,
+    the class of error the fixed list above once missed (T > 8 not a multiple of 8)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no XLA fallback
+        _lower_for_cuda(num_tokens, 16 * vocab_units, dtype, masked, with_entropy)
 
 
 # --- on the GPU ------------------------------------------------------------------------

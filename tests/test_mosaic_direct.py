@@ -12,6 +12,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxops.pallas_config import MosaicConfig
 
@@ -142,3 +144,15 @@ def test_direct_kernels_lower_for_cuda_as_one_kernel(num_tokens, num_vocab, dtyp
     if not gathered and md.one_pass(num_vocab, dtype, masked):
         single = lowered(md.forward_kernel(num_tokens, num_vocab, dtype, **common), *inputs)
         assert [o.shape for o in single] == [o.shape for o in outs]
+
+
+@settings(max_examples=10, deadline=None)
+@given(window_log2=st.integers(0, 15), vocab_units=st.integers(1, 16384),
+       dtype=st.sampled_from([F32, BF16]), masked=st.booleans(), with_entropy=st.booleans(),
+       gathered=st.booleans())
+def test_direct_kernels_lower_for_cuda_at_random_shapes(window_log2, vocab_units, dtype,
+                                                        masked, with_entropy, gathered):
+    """The bridge's row windows (powers of two up to 2**15) at random V_loc (multiples
+    of 16): every direct-route kernel lowers for CUDA as one kernel."""
+    test_direct_kernels_lower_for_cuda_as_one_kernel(
+        2 ** window_log2, 16 * vocab_units, dtype, masked, with_entropy, gathered)

@@ -38,7 +38,7 @@ from _oracle import (
 
 pallas_mosaic = pytest.importorskip("jaxops.pallas_mosaic")
 
-F32, BF16 = jnp.float32, jnp.bfloat16
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 # Small chunks, so that the interpret-mode shapes split the vocabulary over CTAs too.
 INTERPRET = MosaicConfig(interpret=True, chunk_v=512)
 
@@ -79,6 +79,7 @@ OP_CASES = [
     (65, 1008, BF16, "mixed", True, 1.3),
     (7, 1024, BF16, None, False, 0.8),
     (64, 640, F32, None, True, 1.0),
+    (33, 1360, F16, "mixed", True, 0.9),  # float16 takes the bf16 tiles
 ]
 
 
@@ -376,7 +377,7 @@ def test_lowers_for_cuda(num_tokens, num_vocab, dtype, masked, with_entropy):
 
 @settings(max_examples=25, deadline=None)
 @given(num_tokens=st.one_of(st.integers(1, 70), st.integers(71, 40000)),
-       vocab_units=st.integers(1, 16384), dtype=st.sampled_from([F32, BF16]),
+       vocab_units=st.integers(1, 16384), dtype=st.sampled_from([F32, BF16, F16]),
        masked=st.booleans(), with_entropy=st.booleans())
 def test_lowers_for_cuda_at_random_shapes(num_tokens, vocab_units, dtype, masked,
                                           with_entropy):

@@ -140,11 +140,13 @@ def interpreted(monkeypatch):
         world == 1 and not want_stats and plan.implementation == "pallas_mosaic"))
 
 
-@pytest.mark.parametrize("num_tokens, masked, gather_from, chunk_v", [
-    (70, True, 2**62, 384), (70, False, 0, 384), (300, True, 2**16, 384),
-    (5, False, 2**62, 384), (70, True, 2**62, 1024), (300, False, 2**62, 1024)])
+@pytest.mark.parametrize("num_tokens, masked, gather_from, chunk_v, dtype", [
+    (70, True, 2**62, 384, torch.float32), (70, False, 0, 384, torch.float32),
+    (300, True, 2**16, 384, torch.float32), (5, False, 2**62, 384, torch.float32),
+    (70, True, 2**62, 1024, torch.float32), (300, False, 2**62, 1024, torch.float32),
+    (70, True, 2**62, 384, torch.bfloat16), (70, True, 0, 1024, torch.float16)])
 def test_direct_route_end_to_end_in_interpret_mode(num_tokens, masked, gather_from, chunk_v,
-                                                   interpreted, monkeypatch):
+                                                   dtype, interpreted, monkeypatch):
     """Through `bridge.logprob_entropy` (eager autograd) against the float64 reference:
     every pointer, offset and window of the route, with the kernels interpreted."""
     monkeypatch.setattr(_direct, "GATHER_TARGET_FROM", gather_from)
@@ -157,7 +159,7 @@ def test_direct_route_end_to_end_in_interpret_mode(num_tokens, masked, gather_fr
 
     V, tau = 640, 0.8
     gen = torch.Generator().manual_seed(num_tokens)
-    x = (torch.randn(num_tokens, V, generator=gen) * 3).requires_grad_()
+    x = (torch.randn(num_tokens, V, generator=gen) * 3).to(dtype).requires_grad_()
     y = torch.randint(0, V, (num_tokens,), generator=gen)
     mask = torch.rand(num_tokens, V, generator=gen) < 0.2 if masked else None
     g_lp, g_h = torch.randn(num_tokens, generator=gen), torch.randn(num_tokens, generator=gen)
@@ -174,7 +176,8 @@ def test_direct_route_end_to_end_in_interpret_mode(num_tokens, masked, gather_fr
     scale = max(1.0, float(x.detach().abs().max()) / tau)
     assert float((lp.double() - lp_r).abs().max()) <= 1e-5 * scale
     assert float((h.double() - h_r).abs().max()) <= 1e-5 * scale
-    assert S.rel_err(grad, g_r) <= S.grad_tol("float32")
+    assert grad.dtype == dtype
+    assert S.rel_err(grad, g_r) <= S.grad_tol(str(dtype).removeprefix("torch."))
 
 
 def _cuda_like_plan(init):

@@ -20,8 +20,8 @@ shape the kernels take (`mosaic_direct.supported`); everything else goes through
 kernels (V_loc below `implementations.MOSAIC_MIN_VOCAB`): without JAX's per-call host
 cost the direct route was faster on the H200 at every size measured up to T = 16,384
 (V_loc 18,992 and 37,984, bf16/fp32, with and without a mask) and within 5% of the JAX
-route at T = 32,768 (benchmarks/NOTES.md, "The bridge's default route"). Work on another stream than the
-default is fenced with stream waits (no host sync).
+route at T = 32,768 (benchmarks/NOTES.md, "The bridge's default route"). Work on another
+stream than the default is fenced with stream waits (no host sync).
 
 The launcher (`_Launcher`) is built from the two pieces `plgpu.as_torch_kernel` is
 made of in jax 0.10-0.11 (the lowered module's Mosaic GPU call, and

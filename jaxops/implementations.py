@@ -21,7 +21,7 @@ import functools
 import importlib
 from types import ModuleType
 
-from jaxops.pallas_config import MosaicConfig, PallasConfig, mosaic_supported
+from jaxops.pallas_config import MosaicConfig, PallasConfig, mosaic_rows_tile, mosaic_supported
 
 IMPLEMENTATIONS = ("pallas", "pallas_triton", "pallas_mosaic", "xla", "reference")
 # The implementations that compute per-shard statistics: name -> module providing
@@ -97,7 +97,7 @@ def pallas_backend(num_vocab: int, itemsize: int, mask_dtype, capability,
     MOSAIC_MIN_VOCAB, the mask, if any, in bytes (uint8/int8), and T < 8 or a multiple
     of 8. A bool mask would cost the Mosaic kernels an XLA pass over it
     (`pallas_mosaic._mask_bytes`; on the H200 a bf16 masked forward 2.6x slower), which
-    the Triton kernels do not pay. Other T move untiled tiles (`pallas_mosaic._transforms`):
+    the Triton kernels do not pay. Other T move untiled tiles (`mosaic_rows_tile`):
     on the H200 at V = 151,936 with entropy, bf16 T = 8191 took 3.00 ms forward+backward
     against 1.86 ms at T = 8192 (Triton: 2.00 ms), fp32 3.81 ms (Triton 3.78 ms)."""
     import numpy as np
@@ -108,7 +108,7 @@ def pallas_backend(num_vocab: int, itemsize: int, mask_dtype, capability,
         return "pallas_triton"
     if not mosaic_supported(num_vocab, itemsize, mask_dtype is not None):
         return "pallas_triton"
-    if num_tokens is not None and num_tokens > 8 and num_tokens % 8:
+    if num_tokens is not None and not mosaic_rows_tile(num_tokens):
         return "pallas_triton"
     return "pallas_mosaic" if num_vocab >= MOSAIC_MIN_VOCAB else "pallas_triton"
 

@@ -126,6 +126,14 @@ def mosaic_defaults(config: MosaicConfig, *, itemsize: int, masked: bool,
         chunk_v=config.chunk_v or (_CHUNK_V_MASKED if masked else _CHUNK_V))
 
 
+def mosaic_rows_tile(num_tokens: int) -> bool:
+    """Whether the Mosaic kernels' [T, V_loc] operands can move tiled, swizzled tiles:
+    Mosaic GPU tiles each operand's whole TMA descriptor by 8 rows, so T must be below
+    8 or a multiple of 8. Other T still work, with untiled tiles read with bank
+    conflicts (`pallas_mosaic._transforms`; slower, the same bits)."""
+    return num_tokens <= 8 or num_tokens % 8 == 0
+
+
 def mosaic_supported(num_vocab: int, itemsize: int, masked: bool) -> bool:
     """Shapes the Mosaic GPU kernels take; the others fall back to the XLA implementation.
 

@@ -51,7 +51,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxops.contract import NEG, BackwardCoefs, LocalStats, varying_struct
-from jaxops.pallas_config import MosaicConfig, mosaic_defaults, mosaic_supported
+from jaxops.pallas_config import (MosaicConfig, mosaic_defaults, mosaic_rows_tile,
+                                  mosaic_supported)
 
 __all__ = ["MosaicConfig", "backward_logits", "forward_stats"]  # MosaicConfig: re-exported
 
@@ -170,10 +171,9 @@ def _transforms(num_tokens: int, num_vocab: int, itemsize: int, block_v: int):
     from a tiled, swizzled tile. TMA fills one from a descriptor of the whole GMEM
     operand tiled the same way, (8, width), so the tile width must divide V_loc (the
     widest swizzle whose width does is used: 128 bytes for V = 151,936; 64 for fp32 at
-    V_loc = 18,992) and 8 must divide T unless T < 8 (Mosaic GPU's `TileTransform`
-    rejects the operand otherwise). Other shapes move untiled tiles and read them with
-    bank conflicts (`_tile_reader`)."""
-    if num_tokens > 8 and num_tokens % 8:
+    V_loc = 18,992) and T must tile by 8 rows (`mosaic_rows_tile`). Other shapes move
+    untiled tiles and read them with bank conflicts (`_tile_reader`)."""
+    if not mosaic_rows_tile(num_tokens):
         return ()
     for swizzle in (128, 64, 32):
         width = swizzle // itemsize

@@ -17,7 +17,7 @@ if __name__ == "__main__" and not __package__:  # run by path: see benchmarks/__
     import os, sys  # noqa: E401
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import os, statistics, time  # noqa: E401
+import os, statistics  # noqa: E401
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
@@ -35,15 +35,6 @@ def cases(quick):
     out += [(t, 18992, torch.bfloat16, True) for t in (1024, 8192, 32768)]
     out += [(16, 1024, d, False) for d in (torch.float32, torch.bfloat16)]
     return out[:3] if quick else out
-
-
-def _mean_us(fn, calls):
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / calls * 1e6
 
 
 def run_case(num_tokens, num_vocab, dtype, masked, calls=30, pairs=5):
@@ -68,7 +59,7 @@ def run_case(num_tokens, num_vocab, dtype, masked, calls=30, pairs=5):
     times = {impl: [] for impl in IMPLS}
     for _ in range(pairs):
         for impl, run in steps.items():
-            times[impl].append(_mean_us(run, calls))
+            times[impl].append(harness.mean_call_us(run, calls, torch.cuda.synchronize))
     row = dict(T=num_tokens, V=num_vocab, dtype=str(dtype).removeprefix("torch."),
                masked=masked)
     row.update({impl: round(statistics.median(t), 1) for impl, t in times.items()})

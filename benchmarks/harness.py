@@ -119,6 +119,18 @@ def time_calls(fn, arg_sets=((),), *, reps, calls, sync, warmup=1, before_rep=No
     return Timing(times[len(times) // 2], calls, tuple(times))
 
 
+def mean_call_us(fn, calls, sync):
+    """Mean µs per call of `calls` back-to-back calls of `fn`, device-synchronised
+    (`sync()`) before the first and after the last: host and device time together, as
+    a training loop sees them."""
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    sync()
+    return (time.perf_counter() - start) / calls * 1e6
+
+
 def block_jax(out):
     """`sync` for JAX outputs: wait until they are computed."""
     import jax

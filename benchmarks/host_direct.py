@@ -6,12 +6,13 @@ targets unless named), every loop in the same process:
   direct        implementation="pallas_mosaic": Mosaic kernels launched from torch
                 (and with the target's logit gathered by torch / found in the kernel)
   mosaic_jax    the same kernels through JAX (the direct route switched off)
-  triton        the default route (Triton kernels through JAX)
+  triton        the Triton kernels through JAX ("pallas_triton"; the default route
+                until the default took the direct route, session 13)
   floor         a trivial torch autograd.Function + one kernel each way (no JAX); timed
                 in turns with `direct` (`paired`), and their ratio per neighbouring pair
   jax_vjp       one jitted JAX forward+backward of the op on JAX arrays (Mosaic;
                 unmasked cases)
-and the forward alone (no graph) through the direct and the default route. Then a varying-T loop (T uniform in
+and the forward alone (no graph) through the direct route and through JAX (Triton). Then a varying-T loop (T uniform in
 [1, 32768], V_loc = 18,992 bf16) against a fixed T, with the compile count.
 
     python -m benchmarks.host_direct --out benchmarks/results/h200_bridge_direct.json
@@ -34,17 +35,13 @@ import torch  # noqa: E402
 import bridge  # noqa: E402
 import jaxops  # noqa: E402
 from bridge import _direct, _jaxfns  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 DEV = torch.device("cuda", 0)
 
 
 def _mean_us(fn, n):
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / n * 1e6
+    return harness.mean_call_us(fn, n, torch.cuda.synchronize)
 
 
 def timeit(fn, n, repeats=5, warm=10):
@@ -145,9 +142,9 @@ def run_case(T, V, dtype, n, masked=False):
         direct_over_floor_range=vs_floor["ratio_range"],
         direct_int32_targets=timeit(bridge_step(x, y.int(), g, "pallas_mosaic", mask=m), n),
         direct_forward=timeit(forward_step(x, y, "pallas_mosaic", mask=m), n),
-        triton_forward=timeit(forward_step(x, y, None, mask=m), n),
+        triton_forward=timeit(forward_step(x, y, "pallas_triton", mask=m), n),
         mosaic_jax=timeit(bridge_step(x, y, g, "pallas_mosaic", direct=False, mask=m), n),
-        triton=timeit(bridge_step(x, y, g, None, mask=m), n),
+        triton=timeit(bridge_step(x, y, g, "pallas_triton", mask=m), n),
     )
     saved = _direct.GATHER_TARGET_FROM
     for name, threshold in (("direct_target_gathered", 0),

@@ -199,7 +199,8 @@ def ladder(T=16, V=1024, n=300):
             list(_FloorOurSignature.apply(x, y, None, call)), [x], [g, g]),
         "validate": lambda: op.validate(x, y, None, 1.0, True, True, None, "pallas_mosaic"),
         "Plan": lambda: _run.Plan(x, y, None, "pallas_mosaic"),
-        "int64 ids -> clamped int32 (2 torch ops)": lambda: _direct._target_ids(plan),
+        "int64 ids as the kernels read them (a view; 2 torch ops before session 14)": (
+            lambda: _direct._target_ids(plan)),
         "_direct.forward (launches included)": lambda: _direct.forward(plan, 1.0, True),
         "_direct.backward (launch included)": lambda: _direct.backward(state, g, g, True),
         "bridge forward alone (graph recorded, dropped)": lambda: bridge.logprob_entropy(

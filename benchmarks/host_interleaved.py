@@ -1,4 +1,4 @@
-"""The direct route's host time at T = 16, call by call (issue 12 item 4, session 9).
+"""The direct route's host time at T = 16, call by call (issue 12 item 4, sessions 9, 14).
 
 Four functions in turns, each call timed on its own (host µs; the GPU is idle at this
 size): the torch-only floor, the floor behind the bridge's Function signature, the
@@ -8,16 +8,23 @@ in turns is needed on a host whose speed drifts between loops (benchmarks/NOTES.
 "The direct route, host cost again").
 
     python -m benchmarks.host_interleaved > benchmarks/results/h200_bridge_direct_interleaved.txt
+    python -m benchmarks.host_interleaved --vocab 18992 --dtype bfloat16   # one TP = 8 shard
 """
-import gc, os, time, statistics
+import argparse, gc, os, time, statistics
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import torch
 import bridge
 from benchmarks.host_direct import _Floor, _FloorOurSignature
 
+parser = argparse.ArgumentParser()
+parser.add_argument("--vocab", type=int, default=1024)
+parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+parser.add_argument("--rounds", type=int, default=1000)
+args = parser.parse_args()
 dev = torch.device("cuda", 0)
-T, V = 16, 1024
-x = torch.randn(T, V, device=dev, requires_grad=True)
+T, V = 16, args.vocab
+print(f"T = {T}, V = {V}, {args.dtype}, {args.rounds} rounds per run", flush=True)
+x = torch.randn(T, V, device=dev).to(getattr(torch, args.dtype)).requires_grad_()
 y64 = torch.randint(0, V, (T,), device=dev)
 y32 = y64.int()
 g = torch.randn(T, device=dev)
@@ -70,7 +77,7 @@ for label in ("gc on", "gc off", "gc on again"):
         gc.enable()
     collections[0] = 0
     for rep in range(3):
-        r = interleaved(1000)
+        r = interleaved(args.rounds)
         print(label, rep, "collections", collections[0], flush=True)
         for k, v in r.items():
             print(f"   {k:22s} {v}", flush=True)

@@ -30,9 +30,11 @@ argument checks and per-output allocations: on the H200 host those cost ~80 µs 
 launch. A window's forward buffers are carved out of one torch allocation. If a JAX
 version lacks the pieces, `_ready()` is False and the bridge uses the JAX route.
 
-Targets: int64 ids are clamped to [-1, V] before the int32 conversion (two small torch
-ops), so an out-of-range id stays out of range (NaN log-prob) instead of wrapping
-around. Large windows (`GATHER_TARGET_FROM`) get the target's logit gathered by torch.
+Targets: the kernels read int64 ids in place, as pairs of int32 words
+(`wide_targets`, `pallas_mosaic.read_targets`): an id outside [0, 2**31) reads as -1, so
+it stays out of range (NaN log-prob) instead of wrapping around, and no torch op converts
+them. int32 ids are read as they are. Large windows (`GATHER_TARGET_FROM`) get the
+target's logit gathered by torch.
 
 Measured on the H200 (benchmarks/NOTES.md, "The direct route, host cost again"): a
 forward+backward takes 2.5-2.7x less time than through JAX at host-bound sizes; 1.2x the
@@ -171,7 +173,7 @@ class _WindowForward:
     once per configuration (`_window_forward`), so a call only adds addresses."""
 
     def __init__(self, size, num_vocab, dtype, masked, with_entropy, inv_tau, config,
-                 gathered):
+                 gathered, wide):
         from jaxops import mosaic_direct as md
 
         sizes = md.layout(size, num_vocab, dtype, masked=masked, with_entropy=with_entropy,
@@ -179,13 +181,14 @@ class _WindowForward:
         chunks, padded = sizes["chunks"], sizes["padded"]
         num_outs = sizes["num_finish"]
         big = [(size, num_vocab, dtype)] + [(size, num_vocab, "uint8")] * masked  # bool
+        ids = (size * (1 + wide), "int32")  # wide: int64 ids as int32 word pairs
         common = dict(masked=masked, with_entropy=with_entropy, inv_tau=inv_tau,
-                      config=config)
+                      wide_targets=wide, config=config)
         self.out_offsets = [k * padded * 4 for k in range(num_outs)]
         self.single = not gathered and md.one_pass(num_vocab, dtype, masked, config)
         if self.single:
             self.kernel = md.forward_kernel(size, num_vocab, dtype, **common)
-            self.operands = big + [(size, "int32")]
+            self.operands = big + [ids]
             self.buffer_shape = (num_outs, padded)
             return
         num_parts = sizes["num_partials"]
@@ -195,8 +198,8 @@ class _WindowForward:
                                        **common)
         self.buffer_shape = (num_outs + num_parts * chunks, padded)
         self.part_offsets = [(num_outs + k * chunks) * padded * 4 for k in range(num_parts)]
-        self.partials_operands = big + [(size, "int32")] * (not gathered)
-        self.finish_operands = ([(chunks, padded, "float32")] * num_parts + [(size, "int32")]
+        self.partials_operands = big + [ids] * (not gathered)
+        self.finish_operands = ([(chunks, padded, "float32")] * num_parts + [ids]
                                 + [(size, "float32")] * (gathered * (1 + masked)))
 
 
@@ -207,22 +210,23 @@ def _window_forward(*key) -> _WindowForward:
 
 @functools.lru_cache(maxsize=None)
 def _backward_kernel(num_tokens, num_vocab, dtype, masked, with_entropy, entropy_grad,
-                     has_d_log_prob, has_d_entropy, inv_tau, config):
+                     has_d_log_prob, has_d_entropy, inv_tau, wide, config):
     from jaxops import mosaic_direct as md
 
     return md.backward_kernel(num_tokens, num_vocab, dtype, masked=masked,
                               with_entropy=with_entropy, entropy_grad=entropy_grad,
                               has_d_log_prob=has_d_log_prob, has_d_entropy=has_d_entropy,
-                              inv_tau=inv_tau, config=config, into=True)
+                              inv_tau=inv_tau, wide_targets=wide, config=config, into=True)
 
 
 @functools.lru_cache(maxsize=None)
-def _backward_operands(size, num_vocab, dtype, masked, num_saved, num_cotangents) -> list:
+def _backward_operands(size, num_vocab, dtype, masked, wide, num_saved,
+                       num_cotangents) -> list:
     from jaxops import mosaic_direct as md
 
     padded = md.padded_rows(size)
     return ([(size, num_vocab, dtype)] + [(size, num_vocab, "uint8")] * masked
-            + [(size, "int32")] + [(padded, "float32")] * num_saved
+            + [(size * (1 + wide), "int32")] + [(padded, "float32")] * num_saved
             + [(size, "float32")] * num_cotangents + [(size, num_vocab, dtype)])
 
 
@@ -259,11 +263,13 @@ class State:
     """What the backward needs: per window the addresses of the targets and of the saved
     multipliers, and `buffers`, which holds the tensors at those addresses."""
 
-    __slots__ = ("plan", "config", "targets", "saved", "with_entropy", "inv_tau", "buffers")
+    __slots__ = ("plan", "config", "targets", "wide", "saved", "with_entropy", "inv_tau",
+                 "buffers")
 
-    def __init__(self, plan, config, targets, saved, with_entropy, inv_tau, buffers):
-        self.plan, self.config, self.targets, self.saved = plan, config, targets, saved
-        self.with_entropy, self.inv_tau, self.buffers = with_entropy, inv_tau, buffers
+    def __init__(self, plan, config, targets, wide, saved, with_entropy, inv_tau, buffers):
+        self.plan, self.config, self.targets, self.wide = plan, config, targets, wide
+        self.saved, self.with_entropy, self.inv_tau = saved, with_entropy, inv_tau
+        self.buffers = buffers
 
 
 _JAX_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -274,12 +280,12 @@ _JAX_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 GATHER_TARGET_FROM = 2**28
 
 
-def _target_ids(plan) -> torch.Tensor:
-    """[T] int32, contiguous (the kernels read b consecutive ids per window)."""
-    ids = plan.raw_targets
+def _target_ids(plan) -> tuple[torch.Tensor, bool]:
+    """(ids [T], contiguous -- the kernels read b consecutive ids per window --, whether
+    they are int64: the kernels then read each as two int32 words, `wide_targets`)."""
     if plan.target_mode == "i64":
-        ids = ids.view(torch.int64).clamp(-1, plan.num_vocab).to(torch.int32)
-    return ids.contiguous()
+        return plan.raw_targets.view(torch.int64), True
+    return plan.raw_targets.contiguous(), False
 
 
 def _config(plan) -> MosaicConfig:
@@ -312,7 +318,7 @@ def forward(plan, inv_tau: float, with_entropy: bool):
     config = _config(plan)
     masked = plan.mask is not None
     device = plan.logits.device
-    ids = _target_ids(plan)
+    ids, wide = _target_ids(plan)
     dtype = _JAX_DTYPES[plan.logits.dtype]
     # Per window size, so that each size always uses the same kernels (bounded compiles).
     gathers = [w.size * plan.num_vocab >= GATHER_TARGET_FROM for w in plan.windows]
@@ -327,7 +333,7 @@ def forward(plan, inv_tau: float, with_entropy: bool):
     with _OnDefaultStream(device.index):
         for w, gathered in zip(plan.windows, gathers):
             kernels = _window_forward(w.size, plan.num_vocab, dtype, masked, with_entropy,
-                                      inv_tau, config, gathered)
+                                      inv_tau, config, gathered, wide)
             buffer = torch.empty(kernels.buffer_shape, dtype=torch.float32, device=device)
             keep.append(buffer)
             base = buffer.data_ptr()
@@ -350,7 +356,8 @@ def forward(plan, inv_tau: float, with_entropy: bool):
             targets.append(t_ptr)
     outputs = _assemble(plan, pieces, 1 + with_entropy)
     # The state keeps every buffer its pointers point into.
-    return outputs, State(plan, config, targets, saved, with_entropy, inv_tau, (keep, ids))
+    return outputs, State(plan, config, targets, wide, saved, with_entropy, inv_tau,
+                          (keep, ids))
 
 
 def _assemble(plan, pieces, n_out):
@@ -388,11 +395,11 @@ def backward(state: State, d_log_prob, d_entropy, entropy_grad: bool) -> torch.T
             kernel = _backward_kernel(w.size, plan.num_vocab, dtype, masked,
                                       state.with_entropy, entropy_grad,
                                       d_log_prob is not None, has_d_entropy, state.inv_tau,
-                                      state.config)
+                                      state.wide, state.config)
             pointers = _big_pointers(plan, w, keep)
             pointers += ([t_ptr] + saved_ptrs + [_rows_ptr(g, w, keep) for g in grads]
                          + [_rows_ptr(grad, w, keep), placeholder.data_ptr()])
-            structs = _backward_operands(w.size, plan.num_vocab, dtype, masked,
+            structs = _backward_operands(w.size, plan.num_vocab, dtype, masked, state.wide,
                                          len(saved_ptrs), len(grads))
             _launcher(kernel, structs, device)(pointers)
     del keep

@@ -103,9 +103,11 @@ def _interpret(config):
 # --- forward: partial statistics per chunk ----------------------------------------------
 
 def partials_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_tau,
-                    gathered_target: bool = False, config: MosaicConfig | None = None):
+                    gathered_target: bool = False, wide_targets: bool = False,
+                    config: MosaicConfig | None = None):
     """fn(logits [b, V], (mask uint8 [b, V]), (targets int32 [b])) -> partials, each
-    float32 [C, padded] (`pallas_mosaic.num_partials` of them).
+    float32 [C, padded] (`pallas_mosaic.num_partials` of them). `wide_targets`: the
+    targets are int64 ids as their int32 words, [2b] (`pallas_mosaic.read_targets`).
 
     gathered_target: the caller gathers the target's logit (and mask bit) itself and
     hands them to `finish`; then this kernel takes no targets and does no per-element
@@ -119,10 +121,11 @@ def partials_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_t
     return plgpu.kernel(
         functools.partial(pm._forward_kernel, num_vocab=num_vocab, inv_tau=float(inv_tau),
                           with_entropy=with_entropy, masked=masked, config=config,
-                          itemsize=itemsize, with_target=with_target),
+                          itemsize=itemsize, with_target=with_target,
+                          wide_targets=wide_targets),
         out_type=[jax.ShapeDtypeStruct((chunks, padded), jnp.float32)] * num_out,
         scratch_types=([plgpu.SMEM((_ROWS,), jnp.float32)] * num_out
-                       + ([plgpu.SMEM((_ROWS,), jnp.int32),
+                       + ([pm.target_smem(wide_targets),
                            plgpu.Barrier(num_arrivals=1, num_barriers=1)] if with_target
                           else [])),
         grid=(padded // _ROWS, chunks),
@@ -143,9 +146,10 @@ def one_pass(num_vocab: int, dtype, masked: bool, config: MosaicConfig | None = 
 
 
 def forward_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_tau,
-                   config: MosaicConfig | None = None):
-    """`one_pass` vocabularies: fn(logits [b, V], (mask uint8 [b, V]), targets int32 [b])
-    -> (log_prob, [entropy], *saved), float32 [padded]: `partials_kernel` whose CTA,
+                   wide_targets: bool = False, config: MosaicConfig | None = None):
+    """`one_pass` vocabularies: fn(logits [b, V], (mask uint8 [b, V]), targets int32 [b]
+    (`wide_targets`: [2b], as in `partials_kernel`)) -> (log_prob, [entropy], *saved),
+    float32 [padded]: `partials_kernel` whose CTA,
     holding its rows' whole vocabulary, goes on with `finish`'s math (one launch less;
     the same arithmetic, so the same bits)."""
     sizes = layout(num_tokens, num_vocab, dtype, masked=masked, with_entropy=with_entropy,
@@ -169,10 +173,11 @@ def forward_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_ta
     return plgpu.kernel(
         functools.partial(pm._forward_kernel, num_vocab=num_vocab, inv_tau=float(inv_tau),
                           with_entropy=with_entropy, masked=masked, config=config,
-                          itemsize=itemsize, with_target=True, epilogue=(finish, num_out)),
+                          itemsize=itemsize, with_target=True, wide_targets=wide_targets,
+                          epilogue=(finish, num_out)),
         out_type=[jax.ShapeDtypeStruct((padded,), jnp.float32)] * num_out,
         scratch_types=([plgpu.SMEM((_ROWS,), jnp.float32)] * num_out
-                       + [plgpu.SMEM((_ROWS,), jnp.int32),
+                       + [pm.target_smem(wide_targets),
                           plgpu.Barrier(num_arrivals=1, num_barriers=1)]),
         grid=(padded // _ROWS, 1),
         grid_names=("rows", "chunks"),
@@ -243,7 +248,7 @@ def _finish_rows(parts, target, *, chunks, num_vocab, inv_tau, with_entropy, mas
 
 
 def _finish_kernel(*refs, chunks, num_vocab, inv_tau, with_entropy, masked, config,
-                   gathered_target):
+                   gathered_target, wide_targets):
     num_parts = pm.num_partials(with_entropy, masked, with_target=not gathered_target)
     num_gathered = gathered_target * (1 + masked)  # target logit[, its mask bit], [b]
     names = saved_names(with_entropy, masked)
@@ -261,7 +266,8 @@ def _finish_kernel(*refs, chunks, num_vocab, inv_tau, with_entropy, masked, conf
     rows = pl.ds(lax.axis_index("rows") * _ROWS, _ROWS)
     for ref, smem in zip(part_refs, part_smems):
         plgpu.copy_gmem_to_smem(ref.at[:, rows], smem, barrier.at[0])
-    for ref, smem in zip([target_ref] + gathered_refs, [target_smem] + gathered_smems):
+    pm.copy_targets(target_ref, rows, target_smem, barrier.at[0], wide_targets)
+    for ref, smem in zip(gathered_refs, gathered_smems):
         plgpu.copy_gmem_to_smem(ref.at[rows], smem, barrier.at[0])
     plgpu.barrier_wait(barrier.at[0])
     layout = pm._rows_layout()
@@ -269,7 +275,7 @@ def _finish_kernel(*refs, chunks, num_vocab, inv_tau, with_entropy, masked, conf
              for smem in part_smems]
     # The gathered values stand where the partials would hold them: one "chunk" each.
     parts += [[pm._read(smem, layout, config)] for smem in gathered_smems]
-    target = pm._read(target_smem, layout, config)
+    target = pm.read_targets(target_smem, wide_targets, config)
     log_prob, entropy, saved = _finish_rows(
         parts, target, chunks=chunks, num_vocab=num_vocab, inv_tau=inv_tau,
         with_entropy=with_entropy, masked=masked,
@@ -284,10 +290,12 @@ def _finish_kernel(*refs, chunks, num_vocab, inv_tau, with_entropy, masked, conf
 
 
 def finish_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_tau,
-                  gathered_target: bool = False, config: MosaicConfig | None = None):
+                  gathered_target: bool = False, wide_targets: bool = False,
+                  config: MosaicConfig | None = None):
     """fn(*partials, targets int32 [b][, target logit f32 [b][, its mask bit f32 [b]]])
     -> (log_prob, [entropy], *saved), float32 [padded]. The bracketed inputs with
-    `gathered_target` (the target's raw logit, and 1.0 where its mask bit is set)."""
+    `gathered_target` (the target's raw logit, and 1.0 where its mask bit is set);
+    `wide_targets`: targets [2b] as in `partials_kernel`."""
     sizes = layout(num_tokens, num_vocab, dtype, masked=masked, with_entropy=with_entropy,
                    gathered_target=gathered_target, config=config)
     chunks, padded = sizes["chunks"], sizes["padded"]
@@ -298,10 +306,11 @@ def finish_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_tau
     return plgpu.kernel(
         functools.partial(_finish_kernel, chunks=chunks, num_vocab=num_vocab,
                           inv_tau=float(inv_tau), with_entropy=with_entropy, masked=masked,
-                          config=config, gathered_target=gathered_target),
+                          config=config, gathered_target=gathered_target,
+                          wide_targets=wide_targets),
         out_type=[vector] * num_out,
         scratch_types=([plgpu.SMEM((chunks, _ROWS), jnp.float32)] * num_parts
-                       + [plgpu.SMEM((_ROWS,), jnp.int32)]
+                       + [pm.target_smem(wide_targets)]
                        + [plgpu.SMEM((_ROWS,), jnp.float32)] * (num_gathered + num_out)
                        + [plgpu.Barrier(num_arrivals=num_parts + 1 + num_gathered,
                                         num_barriers=1)]),
@@ -315,7 +324,7 @@ def finish_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_tau
 # --- backward ----------------------------------------------------------------------------
 
 def _coefficient_prologue(refs, rows, *, names, has_d_log_prob, has_d_entropy, entropy,
-                          masked, inv_tau, config, into):
+                          masked, inv_tau, config, into, wide_targets):
     """The backward's per-row vectors from the saved multipliers and d log_prob / d
     entropy, in `pallas_mosaic._backward_kernel`'s order and units."""
     num_in = 1 + len(names) + has_d_log_prob + has_d_entropy
@@ -323,12 +332,13 @@ def _coefficient_prologue(refs, rows, *, names, has_d_log_prob, has_d_entropy, e
     first = num_in + 1 + into  # into: the unused placeholder output follows
     smems = refs[first:first + num_in]
     grad_smem, barrier = refs[first + num_in:]
-    for ref, smem in zip(in_refs, smems):
+    pm.copy_targets(in_refs[0], rows, smems[0], barrier.at[0], wide_targets)
+    for ref, smem in zip(in_refs[1:], smems[1:]):
         plgpu.copy_gmem_to_smem(ref.at[rows], smem, barrier.at[0])
     plgpu.barrier_wait(barrier.at[0])
     layout = pm._rows_layout()
-    values = [pm._read(smem, layout, config) for smem in smems]
-    target = values.pop(0)
+    target = pm.read_targets(smems[0], wide_targets, config)
+    values = [pm._read(smem, layout, config) for smem in smems[1:]]
     saved = {n: values.pop(0) for n in names}
     d_log_prob = values.pop(0) if has_d_log_prob else None
     d_entropy = values.pop(0) if has_d_entropy else None
@@ -350,7 +360,7 @@ def _coefficient_prologue(refs, rows, *, names, has_d_log_prob, has_d_entropy, e
 
 
 def backward_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, entropy_grad,
-                    has_d_log_prob, has_d_entropy, inv_tau,
+                    has_d_log_prob, has_d_entropy, inv_tau, wide_targets: bool = False,
                     config: MosaicConfig | None = None, into: bool = True):
     """d loss / d logits of the rows.
 
@@ -372,11 +382,11 @@ def backward_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, entro
     prologue = functools.partial(
         _coefficient_prologue, names=names, has_d_log_prob=has_d_log_prob,
         has_d_entropy=has_d_entropy, entropy=entropy, masked=masked, inv_tau=float(inv_tau),
-        config=config, into=into)
+        config=config, into=into, wide_targets=wide_targets)
     # The interpreter cannot clip out-of-bounds TMA stores as the GPU does.
     grad_shape = ((padded, chunks * per_chunk * config.block_v) if config.interpret
                   else (num_tokens, num_vocab))
-    scratch = ([plgpu.SMEM((_ROWS,), jnp.int32)]
+    scratch = ([pm.target_smem(wide_targets)]
                + [plgpu.SMEM((_ROWS,), jnp.float32)] * (num_in - 1)
                + [plgpu.SMEM((config.num_stages, _ROWS, config.block_v), dtype,
                              transforms=pm._transforms(num_tokens, num_vocab, itemsize,
@@ -399,12 +409,13 @@ def backward_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, entro
 # --- the whole op in JAX (interpret-mode tests, and the shapes the launcher sees) --------
 
 def logprob_entropy_rows(logits, targets, keep_mask=None, *, inv_tau=1.0, with_entropy=True,
-                         gathered_target=False, single_kernel=None,
+                         gathered_target=False, single_kernel=None, wide_targets=False,
                          config: MosaicConfig | None = None):
     """(log_prob [T], entropy [T] or None, saved {name: [padded]}) of one shard (R = 1)
     through the direct route's forward kernels: `forward_kernel` where `single_kernel`
     (None: where `one_pass` and not `gathered_target`, as the bridge chooses), else the
-    partials and finish kernels. `targets` int32 [T]."""
+    partials and finish kernels. `targets` int32 [T], or with `wide_targets` int64 ids
+    as their little-endian int32 words, [2T]."""
     num_tokens, num_vocab = logits.shape
     masked = keep_mask is not None
     operands = [logits] + ([pm._mask_bytes(keep_mask)] if masked else [])
@@ -414,29 +425,31 @@ def logprob_entropy_rows(logits, targets, keep_mask=None, *, inv_tau=1.0, with_e
     if single_kernel:
         outs = list(forward_kernel(num_tokens, num_vocab, logits.dtype, masked=masked,
                                    with_entropy=with_entropy, inv_tau=inv_tau,
-                                   config=config)(*operands, targets))
+                                   wide_targets=wide_targets, config=config)(*operands,
+                                                                             targets))
     else:
         outs = _two_kernel_forward(logits, targets, keep_mask, operands, inv_tau=inv_tau,
-                                   with_entropy=with_entropy,
-                                   gathered_target=gathered_target, config=config)
+                                   with_entropy=with_entropy, gathered_target=gathered_target,
+                                   wide_targets=wide_targets, config=config)
     log_prob = outs.pop(0)[:num_tokens]
     entropy = outs.pop(0)[:num_tokens] if with_entropy else None
     return log_prob, entropy, dict(zip(saved_names(with_entropy, masked), outs))
 
 
 def _two_kernel_forward(logits, targets, keep_mask, operands, *, inv_tau, with_entropy,
-                        gathered_target, config):
+                        gathered_target, wide_targets, config):
     num_tokens, num_vocab = logits.shape
     masked = keep_mask is not None
     common = dict(masked=masked, with_entropy=with_entropy, inv_tau=inv_tau,
-                  gathered_target=gathered_target, config=config)
+                  gathered_target=gathered_target, wide_targets=wide_targets, config=config)
     operands = list(operands)
     if not gathered_target:
         operands.append(targets)
     parts = partials_kernel(num_tokens, num_vocab, logits.dtype, **common)(*operands)
     gathered = []
     if gathered_target:  # what the bridge gathers with torch ops
-        index = jnp.clip(targets, 0, num_vocab - 1)[:, None]
+        ids = targets.reshape(-1, 2)[:, 0] if wide_targets else targets  # any valid id's
+        index = jnp.clip(ids, 0, num_vocab - 1)[:, None]
         gathered.append(jnp.take_along_axis(logits, index, axis=1)[:, 0].astype(jnp.float32))
         if masked:
             bit = jnp.take_along_axis(keep_mask, index, axis=1)[:, 0]
@@ -446,16 +459,18 @@ def _two_kernel_forward(logits, targets, keep_mask, operands, *, inv_tau, with_e
 
 
 def logits_grad_rows(logits, targets, keep_mask, saved, d_log_prob, d_entropy, *,
-                     inv_tau=1.0, with_entropy=True, entropy_grad=True,
+                     inv_tau=1.0, with_entropy=True, entropy_grad=True, wide_targets=False,
                      config: MosaicConfig | None = None):
-    """d loss / d logits `[T, V]` through the direct route's backward kernel (JAX form)."""
+    """d loss / d logits `[T, V]` through the direct route's backward kernel (JAX form);
+    `targets` as for `logprob_entropy_rows`."""
     num_tokens, num_vocab = logits.shape
     masked = keep_mask is not None
     has_d_entropy = d_entropy is not None and with_entropy and entropy_grad
     fn = backward_kernel(num_tokens, num_vocab, logits.dtype, masked=masked,
                          with_entropy=with_entropy, entropy_grad=entropy_grad,
                          has_d_log_prob=d_log_prob is not None, has_d_entropy=has_d_entropy,
-                         inv_tau=inv_tau, config=config, into=False)
+                         inv_tau=inv_tau, wide_targets=wide_targets, config=config,
+                         into=False)
     operands = ([logits] + ([pm._mask_bytes(keep_mask)] if masked else []) + [targets]
                 + [saved[n] for n in saved_names(with_entropy, masked)]
                 + ([d_log_prob.astype(jnp.float32)] if d_log_prob is not None else [])

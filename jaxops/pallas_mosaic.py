@@ -146,6 +146,34 @@ def _rows_layout():
     return plgpu.Layout.WGMMA.reduce(1)
 
 
+def target_smem(wide: bool):
+    """SMEM for a 64-row block's targets: int32 ids, or (`wide`) the two int32 words of
+    each little-endian int64 id, as torch stores them (`mosaic_direct`)."""
+    return plgpu.SMEM((_ROWS * (2 if wide else 1),), jnp.int32)
+
+
+def copy_targets(target_ref, rows, smem, barrier, wide: bool):
+    """Start the TMA copy of the targets of `rows` (a 64-row `pl.ds`) into
+    `target_smem(wide)`."""
+    if wide:
+        rows = pl.ds(rows.start * 2, 2 * _ROWS)
+    plgpu.copy_gmem_to_smem(target_ref.at[rows], smem, barrier)
+
+
+def read_targets(smem, wide: bool, config: MosaicConfig):
+    """[64] int32 ids in the rows layout from `target_smem(wide)`. A wide id outside
+    [0, 2**31) reads as -1, so the kernels' range test fails it: a dropped high word
+    could otherwise turn a garbage id into a plausible one (2**32 + 5 into 5)."""
+    if not wide:
+        return _read(smem, _rows_layout(), config)
+    if config.interpret:  # the interpreter has no reshape transform for SMEM refs
+        low, high = smem[pl.ds(0, _ROWS, stride=2)], smem[pl.ds(1, _ROWS, stride=2)]
+    else:  # Mosaic GPU lowers no strided slice; a column of the [64, 2] view it does
+        words = smem.reshape(_ROWS, 2)
+        low, high = (_layout(words[:, k], _rows_layout(), config) for k in (0, 1))
+    return jnp.where((high == 0) & (low >= 0), low, -1)
+
+
 def _row_vector(value, dtype, config):
     return _layout(jnp.full((_ROWS,), value, dtype), _rows_layout(), config)
 
@@ -244,10 +272,11 @@ def num_partials(with_entropy: bool, masked: bool, with_target: bool = False) ->
 
 
 def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, itemsize,
-                    with_target=False, epilogue=None):
+                    with_target=False, wide_targets=False, epilogue=None):
     """`with_target`: also read the rows' (shard-local) targets and sum, per chunk, the
     target's raw logit and its mask bit (0 in chunks that do not hold the target), so
-    that no gather outside the kernel is needed (`mosaic_direct.py`).
+    that no gather outside the kernel is needed (`mosaic_direct.py`); `wide_targets`:
+    they are int64, as int32 word pairs (`read_targets`).
 
     `epilogue` (one vocabulary chunk only): `(fn, num_out)`; `fn(partials, targets)`
     turns the row block's partials into `num_out` row vectors, written to 1-D [padded]
@@ -279,10 +308,10 @@ def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, ite
     target = None
     if with_target:
         target_smem, barrier = refs[2 * num_out:]
-        plgpu.copy_gmem_to_smem(target_ref.at[pl.ds(row_block * _ROWS, _ROWS)], target_smem,
-                                barrier.at[0])
+        copy_targets(target_ref, pl.ds(row_block * _ROWS, _ROWS), target_smem, barrier.at[0],
+                     wide_targets)
         plgpu.barrier_wait(barrier.at[0])
-        target = _read(target_smem, _rows_layout(), config)
+        target = read_targets(target_smem, wide_targets, config)
     scale = inv_tau * _LOG2E
     shape = (_ROWS, block_v)
     wgmma = plgpu.Layout.WGMMA

@@ -118,11 +118,12 @@ def interpreted(monkeypatch):
             inputs = [jnp.asarray(_array_at(p, s, d)) for p, (s, d) in zip(pointers, shapes)]
             if isinstance(kernel, tuple):  # the backward: grad is the last input
                 (num_tokens, num_vocab, dtype, masked, with_entropy, entropy_grad,
-                 has_d_log_prob, has_d_entropy, inv_tau, config) = kernel[1]
+                 has_d_log_prob, has_d_entropy, inv_tau, wide, config) = kernel[1]
                 fn = md.backward_kernel(
                     num_tokens, num_vocab, dtype, masked=masked, with_entropy=with_entropy,
                     entropy_grad=entropy_grad, has_d_log_prob=has_d_log_prob,
-                    has_d_entropy=has_d_entropy, inv_tau=inv_tau, config=config, into=False)
+                    has_d_entropy=has_d_entropy, inv_tau=inv_tau, wide_targets=wide,
+                    config=config, into=False)
                 grad = np.asarray(fn(*inputs[:-1]))[:num_tokens, :num_vocab]
                 _array_at(pointers[len(shapes) - 1], *shapes[-1])[...] = grad
                 return
@@ -140,15 +141,22 @@ def interpreted(monkeypatch):
         world == 1 and not want_stats and plan.implementation == "pallas_mosaic"))
 
 
-@pytest.mark.parametrize("num_tokens, masked, gather_from, chunk_v, dtype", [
-    (70, True, 2**62, 384, torch.float32), (70, False, 0, 384, torch.float32),
-    (300, True, 2**16, 384, torch.float32), (5, False, 2**62, 384, torch.float32),
-    (70, True, 2**62, 1024, torch.float32), (300, False, 2**62, 1024, torch.float32),
-    (70, True, 2**62, 384, torch.bfloat16), (70, True, 0, 1024, torch.float16)])
+@pytest.mark.parametrize("num_tokens, masked, gather_from, chunk_v, dtype, ids", [
+    (70, True, 2**62, 384, torch.float32, torch.int64),
+    (70, False, 0, 384, torch.float32, torch.int64),
+    (300, True, 2**16, 384, torch.float32, torch.int64),
+    (5, False, 2**62, 384, torch.float32, torch.int64),
+    (70, True, 2**62, 1024, torch.float32, torch.int64),
+    (300, False, 2**62, 1024, torch.float32, torch.int64),
+    (70, True, 2**62, 384, torch.bfloat16, torch.int64),
+    (70, True, 0, 1024, torch.float16, torch.int64),
+    (70, True, 2**62, 384, torch.float32, torch.int32),
+    (300, False, 2**62, 1024, torch.bfloat16, torch.int32)])
 def test_direct_route_end_to_end_in_interpret_mode(num_tokens, masked, gather_from, chunk_v,
-                                                   dtype, interpreted, monkeypatch):
+                                                   dtype, ids, interpreted, monkeypatch):
     """Through `bridge.logprob_entropy` (eager autograd) against the float64 reference:
-    every pointer, offset and window of the route, with the kernels interpreted."""
+    every pointer, offset and window of the route, with the kernels interpreted; int64
+    ids read in place as word pairs, int32 ids as they are."""
     monkeypatch.setattr(_direct, "GATHER_TARGET_FROM", gather_from)
     monkeypatch.setattr(_run.Plan, "__init__", _cuda_like_plan(_run.Plan.__init__))
     # V = 640 is five 128-column tiles: several vocabulary chunks at chunk_v = 384 (the
@@ -160,7 +168,7 @@ def test_direct_route_end_to_end_in_interpret_mode(num_tokens, masked, gather_fr
     V, tau = 640, 0.8
     gen = torch.Generator().manual_seed(num_tokens)
     x = (torch.randn(num_tokens, V, generator=gen) * 3).to(dtype).requires_grad_()
-    y = torch.randint(0, V, (num_tokens,), generator=gen)
+    y = torch.randint(0, V, (num_tokens,), generator=gen).to(ids)
     mask = torch.rand(num_tokens, V, generator=gen) < 0.2 if masked else None
     g_lp, g_h = torch.randn(num_tokens, generator=gen), torch.randn(num_tokens, generator=gen)
     calls = []

@@ -91,6 +91,34 @@ def test_entropy_grad_off_ignores_d_entropy():
     np.testing.assert_array_equal(np.asarray(off), np.asarray(lp_only))
 
 
+@pytest.mark.parametrize("form", ["single", "two", "gathered"])
+@pytest.mark.parametrize("mask_kind", [None, "mixed"])
+def test_wide_targets_equal_int32_ids_bitwise(form, mask_kind):
+    """int64 ids read as their int32 word pairs (`wide_targets`, the bridge's int64
+    targets without a conversion op) give the outputs, saved multipliers and gradient of
+    the ids clamped to [-1, V] as int32, bit for bit; ids whose high word is not 0 are
+    out of range even where their low word is a valid id (2**32 + 3 is not 3)."""
+    num_tokens, num_vocab = 70, 512
+    logits, targets, mask = _inputs(5, num_tokens, num_vocab, F32, mask_kind)
+    ids = np.asarray(targets).astype(np.int64)
+    ids[:9] = [num_vocab, -1, -100, 2**32 + 3, 2**31 + 5, -(2**40), 2**40 + 7, -(2**32) + 9,
+               num_vocab - 1]
+    narrow = jnp.asarray(np.clip(ids, -1, num_vocab).astype(np.int32))
+    words = jnp.asarray(ids.view(np.int32))  # little-endian: (low, high) per id
+    kw = dict(inv_tau=1 / 0.7, with_entropy=True, config=INTERPRET,
+              single_kernel=form == "single", gathered_target=form == "gathered")
+    a = md.logprob_entropy_rows(logits, narrow, mask, **kw)
+    b = md.logprob_entropy_rows(logits, words, mask, wide_targets=True, **kw)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert np.isnan(np.asarray(b[0])[:8]).all() and np.isfinite(np.asarray(b[0])[8:]).all()
+    g = jax.random.normal(jax.random.key(1), (2, num_tokens))
+    grads = [md.logits_grad_rows(logits, t, mask, saved, g[0], g[1], inv_tau=1 / 0.7,
+                                 wide_targets=wide, config=INTERPRET)
+             for t, saved, wide in ((narrow, a[2], False), (words, b[2], True))]
+    np.testing.assert_array_equal(np.asarray(grads[0]), np.asarray(grads[1]))
+
+
 def test_out_of_range_targets_give_nan():
     logits, _, _ = _inputs(2, 4, 512, F32, None)
     targets = jnp.array([0, -1, 512, 511], jnp.int32)
@@ -109,10 +137,12 @@ def test_out_of_range_targets_give_nan():
     (4096, 4096, BF16, False, False, False),
     (1001, 18992, BF16, True, True, False),  # T % 8 != 0: untiled tiles
 ])
+@pytest.mark.parametrize("wide", [False, True], ids=["int32_ids", "int64_ids"])
 def test_direct_kernels_lower_for_cuda_as_one_kernel(num_tokens, num_vocab, dtype, masked,
-                                                     with_entropy, gathered):
+                                                     with_entropy, gathered, wide):
     """Each function is a single `mosaic_gpu` custom call and nothing else -- what the
-    torch launcher requires -- and the backward returns only its placeholder."""
+    torch launcher requires -- and the backward returns only its placeholder. `wide`:
+    the targets are int64 ids as int32 word pairs."""
     S = jax.ShapeDtypeStruct
 
     def lowered(fn, *structs):
@@ -123,16 +153,17 @@ def test_direct_kernels_lower_for_cuda_as_one_kernel(num_tokens, num_vocab, dtyp
         assert set(ops) == {"stablehlo.custom_call"}, ops
         return traced.out_info
 
-    common = dict(masked=masked, with_entropy=with_entropy, inv_tau=1 / 0.7)
+    common = dict(masked=masked, with_entropy=with_entropy, inv_tau=1 / 0.7,
+                  wide_targets=wide)
+    ids = S((num_tokens * (1 + wide),), jnp.int32)
     inputs = ([S((num_tokens, num_vocab), dtype)]
-              + ([S((num_tokens, num_vocab), jnp.uint8)] if masked else [])
-              + [S((num_tokens,), jnp.int32)])
+              + ([S((num_tokens, num_vocab), jnp.uint8)] if masked else []) + [ids])
     row = S((num_tokens,), jnp.float32)
     parts = lowered(md.partials_kernel(num_tokens, num_vocab, dtype, gathered_target=gathered,
                                        **common), *(inputs[:-1] if gathered else inputs))
     outs = lowered(md.finish_kernel(num_tokens, num_vocab, dtype, gathered_target=gathered,
                                     **common),
-                   *parts, S((num_tokens,), jnp.int32), *[row] * (gathered * (1 + masked)))
+                   *parts, ids, *[row] * (gathered * (1 + masked)))
     num_saved = len(md.saved_names(with_entropy, masked))
     assert len(outs) == 1 + with_entropy + num_saved
     backward = md.backward_kernel(num_tokens, num_vocab, dtype, entropy_grad=True,
@@ -149,10 +180,10 @@ def test_direct_kernels_lower_for_cuda_as_one_kernel(num_tokens, num_vocab, dtyp
 @settings(max_examples=10, deadline=None)
 @given(window_log2=st.integers(0, 15), vocab_units=st.integers(1, 16384),
        dtype=st.sampled_from([F32, BF16]), masked=st.booleans(), with_entropy=st.booleans(),
-       gathered=st.booleans())
+       gathered=st.booleans(), wide=st.booleans())
 def test_direct_kernels_lower_for_cuda_at_random_shapes(window_log2, vocab_units, dtype,
-                                                        masked, with_entropy, gathered):
+                                                        masked, with_entropy, gathered, wide):
     """The bridge's row windows (powers of two up to 2**15) at random V_loc (multiples
     of 16): every direct-route kernel lowers for CUDA as one kernel."""
     test_direct_kernels_lower_for_cuda_as_one_kernel(
-        2 ** window_log2, 16 * vocab_units, dtype, masked, with_entropy, gathered)
+        2 ** window_log2, 16 * vocab_units, dtype, masked, with_entropy, gathered, wide)

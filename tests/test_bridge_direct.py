@@ -251,3 +251,42 @@ def test_direct_single_kernel_forward_matches_two_kernels_bitwise(masked, monkey
     for a, b in zip(one, two):
         assert torch.equal(a.nan_to_num(), b.nan_to_num())
     assert torch.isnan(one[0][7]) and not torch.isnan(one[0][:7]).any()
+
+
+@pytest.mark.parametrize("V, dtype, masked", [
+    (151936, torch.bfloat16, False),
+    (151936, torch.bfloat16, True),
+    (151936, torch.float32, False),
+    (18992, torch.bfloat16, True),
+], ids=lambda v: str(v).replace("torch.", ""))
+def test_direct_batch_invariance(V, dtype, masked, direct_calls):
+    """README "Guarantees" for the direct route: a row's log-prob, entropy and gradient are
+    bitwise the same in the full batch (T = 8192: one window, the target gathered by
+    torch), alone, and at position 3 of batches of 7 and 100 (other windows, the target
+    found in the kernel), and from run to run."""
+    T, tau = 8192, 0.8
+    x, y, mask, g_lp, g_h = _inputs(T, V, dtype, masked, seed=V + masked)
+
+    def run(rows):
+        xs = x[rows].clone().requires_grad_()
+        m = None if mask is None else mask[rows].clone()
+        lp, h = bridge.logprob_entropy(xs, y[rows].clone(), keep_mask=m, temperature=tau,
+                                       implementation="pallas_mosaic")
+        (grad,) = torch.autograd.grad([lp, h], xs, [g_lp[rows].clone(), g_h[rows].clone()])
+        return lp, h, grad
+
+    every = torch.arange(T, device=CUDA)
+    full = run(every)
+    for name, a, b in zip(("log_prob", "entropy", "grad"), full, run(every)):
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()), f"{name}: run to run"
+    for row in (0, 5, 4097, T - 1):
+        batches = [torch.tensor([row], device=CUDA)]
+        for size in (7, 100):
+            others = [(row + 1 + k) % T for k in range(size - 1)]
+            batches.append(torch.tensor(others[:3] + [row] + others[3:], device=CUDA))
+        for rows in batches:
+            at = int((rows == row).nonzero()[0, 0])
+            for name, a, b in zip(("log_prob", "entropy", "grad"), full, run(rows)):
+                assert torch.equal(a[row].nan_to_num(), b[at].nan_to_num()), (
+                    f"{name}: row {row} in a batch of {len(rows)}")
+    assert direct_calls

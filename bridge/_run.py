@@ -113,6 +113,14 @@ class Plan:
         # "pallas" (the CUDA default) leaves the route to the bridge: the direct one where
         # it applies (`_direct.applies`), whichever backend the JAX op would pick.
         self.auto = dev.cuda and (implementation or "pallas") == "pallas"
+        if self.auto and self.implementation == "pallas_mosaic":
+            # Through JAX, "pallas" means the Triton kernels: their backward writes the
+            # gradient into torch's tensor, the Mosaic one would have JAX allocate
+            # [T, V_loc] beside torch's cache (issue 12's one memory pool; the Mosaic
+            # kernels were 2-8% faster at V_loc >= 65,536, benchmarks/NOTES.md).
+            self.implementation, self.config = implementation_for(
+                "pallas_triton", dev, num_vocab=logits.shape[-1],
+                itemsize=logits.element_size())
         if self.implementation == "pallas_mosaic" and self.mask is not None:
             self.mask = self.mask.view(torch.uint8)
         self.num_tokens, self.num_vocab = logits.shape

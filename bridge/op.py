@@ -331,14 +331,14 @@ def logprob_entropy(
       temperature: a Python number > 0; logits / temperature in float32 in the kernel.
       with_entropy: False: entropy is None and no entropy work is done.
       entropy_grad: False: entropy is returned but is constant for autograd.
-      implementation: None ("pallas" on CUDA, "xla" on CPU), "pallas" (per call the
-        backend measured faster for V_loc and the GPU: `jaxops.implementations.
-        pallas_backend`; a bool mask counts as bytes), "pallas_triton", "pallas_mosaic"
-        (Mosaic GPU kernels, Hopper+), all three in interpret mode on CPU (slow, for
-        tests), or "xla". In eager mode on one shard (no process group, or a group of
-        one) of an sm_90+ GPU, "pallas" and "pallas_mosaic" launch the Mosaic kernels
-        from torch without JAX's runtime (`bridge/_direct.py`): on the H200 2-3x less
-        time per call than through JAX up to T = 8192 and as fast at T = 32,768.
+      implementation: None ("pallas" on CUDA, "xla" on CPU), "pallas", "pallas_triton",
+        "pallas_mosaic" (Mosaic GPU kernels, Hopper+), all three in interpret mode on CPU
+        (slow, for tests), or "xla". In eager mode on one shard (no process group, or a
+        group of one) of an sm_90+ GPU, "pallas" and "pallas_mosaic" launch the Mosaic
+        kernels from torch without JAX's runtime (`bridge/_direct.py`): on the H200 2-3x
+        less time per call than through JAX up to T = 8192 and as fast at T = 32,768.
+        Elsewhere "pallas" runs the Triton kernels through JAX, whose backward writes
+        the gradient into torch's memory (the Mosaic one cannot).
       check_targets: opt-in checks that cost a host sync per call: raise ValueError for
         targets outside the vocabulary (`bridge.check_targets`) and, with a process
         group, for ranks passing different T. Off by default (no host sync): an

@@ -235,3 +235,30 @@ def test_which_calls_take_the_direct_route(monkeypatch):
     x, y = torch.randn(3, 64), torch.randint(0, 64, (3,))
     assert not _run.Plan(x, y, None, None).auto
     assert not _run.Plan(x, y, None, "pallas").auto
+
+
+def test_pallas_through_jax_runs_the_triton_kernels(monkeypatch):
+    """Where "pallas" leaves the direct route (several ranks, torch.compile), the bridge
+    runs the Triton kernels even where the JAX op would pick Mosaic (V_loc >= 65,536 on
+    Hopper, faked here): their backward writes into torch's gradient (one memory pool).
+    A named "pallas_mosaic" keeps the Mosaic kernels (and a bool mask as bytes)."""
+    from jaxops import implementations
+
+    real_for_call = implementations.for_call
+
+    def hopper(name, config, pallas_config=None, **kw):
+        if name == "pallas":
+            return "pallas_mosaic", MosaicConfig()
+        return real_for_call(name, config, pallas_config, **kw)
+
+    monkeypatch.setattr(implementations, "for_call", hopper)
+    real_device = _run._dlpack.device
+    monkeypatch.setattr(_run._dlpack, "device", lambda d: _CudaFlag(real_device(d)))
+    x, y = torch.randn(3, 64), torch.randint(0, 64, (3,))
+    mask = torch.rand(3, 64) < 0.5
+    plan = _run.Plan(x, y, mask, None)
+    assert plan.auto and plan.implementation == "pallas_triton"
+    assert not isinstance(plan.config, MosaicConfig) and plan.mask.dtype == torch.bool
+    named = _run.Plan(x, y, mask, "pallas_mosaic")
+    assert not named.auto and named.implementation == "pallas_mosaic"
+    assert named.mask.dtype == torch.uint8

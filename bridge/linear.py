@@ -57,6 +57,7 @@ from bridge._run import IMPLEMENTATIONS, check_shareable
 from bridge._windows import row_align, row_windows
 from bridge.op import LOGIT_DTYPES, _check_flag, _check_tensor, _group_info, _inv_temperature
 from jaxops import staged
+from jaxops.linear import default_chunk_size
 
 __all__ = ["linear_logprob_entropy"]
 
@@ -165,15 +166,18 @@ class Plan:
     __slots__ = ("dev", "hidden", "weight", "mask", "raw_targets", "target_mode", "words",
                  "windows", "implementation", "config", "num_tokens", "num_vocab")
 
-    def __init__(self, hidden, weight, targets, keep_mask, implementation):
+    def __init__(self, hidden, weight, targets, keep_mask, implementation, chunk_size=None):
         dev = self.dev = _dlpack.device(hidden.device)
         self.hidden = _run.big("hidden", hidden, dev)
         self.weight = _run.big("weight", weight, dev)
         self.mask = None if keep_mask is None else _run.big("keep_mask", keep_mask, dev)
         self.raw_targets, self.target_mode, self.words = _run._raw_targets(targets, dev)
-        # jaxops.linear_logprob_entropy hands the kernels the mask as bool.
+        # As jaxops.linear_logprob_entropy decides: the kernels read fp32 logits one
+        # vocabulary chunk at a time, and the mask as bool.
+        chunk = min(chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0]),
+                    weight.shape[0])
         self.implementation, self.config = _run.implementation_for(
-            implementation, dev, num_vocab=weight.shape[0], itemsize=hidden.element_size(),
+            implementation, dev, num_vocab=chunk, itemsize=4,
             mask_dtype=None if keep_mask is None else np.bool_)
         self.num_tokens, self.num_vocab = hidden.shape[0], weight.shape[0]
         # Every window must start aligned in hidden and in the mask; both alignments
@@ -332,7 +336,7 @@ class _LinearFunction(torch.autograd.Function):
             ctx.state = None
             lp, ent = _empty_outputs(hidden, with_entropy)
         else:
-            plan = Plan(hidden, weight, targets, keep_mask, implementation)
+            plan = Plan(hidden, weight, targets, keep_mask, implementation, chunk_size)
             if world > 1:
                 check_shards(_run.resolve_group(group_name), group_name, hidden, weight,
                              every_call=check_every_call)

@@ -339,9 +339,11 @@ def linear_logprob_entropy(
         device_array=hidden)
 
     num_tokens = int(np.prod(lead_shape))
-    # The kernels get the keep mask as bool (below), whatever its dtype here.
+    chunk = int(min(chunk_size or default_chunk_size(num_tokens, num_vocab), num_vocab))
+    # The kernels read one chunk's fp32 logits [T, chunk] at a time, and the keep mask as
+    # bool (below), whatever its dtype here: "pallas" picks its backend for those.
     impl, config = implementations.for_call(
-        impl, config, pallas_config, num_vocab=num_vocab, itemsize=jnp.dtype(hidden.dtype).itemsize,
+        impl, config, pallas_config, num_vocab=chunk, itemsize=4,
         mask_dtype=None if keep_mask is None else jnp.bool_, num_tokens=num_tokens)
     if num_tokens == 0:
         empty = jnp.zeros(lead_shape, jnp.promote_types(hidden.dtype, jnp.float32))
@@ -363,10 +365,9 @@ def linear_logprob_entropy(
         targets_valid, local_targets = shard_targets(flat_targets, num_vocab, axis_name)
         validate.check_interpret_outside_vma(impl, config, flat_hidden, weight,
                                              local_targets, flat_mask)
-        chunk = chunk_size or default_chunk_size(num_tokens, num_vocab)
         stats = _linear_local_stats(flat_hidden, weight, local_targets, flat_mask, 1.0 / tau,
                                     bool(with_entropy), bool(entropy_grad), impl, config,
-                                    int(min(chunk, num_vocab)))
+                                    chunk)
         log_prob, entropy = combine(stats, targets_valid, entropy_grad=bool(entropy_grad),
                                     axis_name=axis_name)
 

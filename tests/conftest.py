@@ -31,3 +31,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture
+def backend_choices(monkeypatch):
+    """The keyword arguments of every `jaxops.implementations.for_call` (the per-call
+    backend choice) made during the test, in order."""
+    from jaxops import implementations
+
+    seen = []
+    real = implementations.for_call
+
+    def spy(name, config, pallas_config=None, **kw):
+        seen.append(kw)
+        return real(name, config, pallas_config, **kw)
+
+    monkeypatch.setattr(implementations, "for_call", spy)
+    return seen

@@ -407,3 +407,15 @@ def test_cuda_bf16_against_fp32_reference():
     assert float((ent - ent_r).abs().max()) <= 2e-5 * scale
     assert S.rel_err(dh, dh_r) <= grad_rtol("bfloat16")
     assert S.rel_err(dw, dw_r) <= grad_rtol("bfloat16")
+
+
+def test_plan_picks_the_backend_for_the_chunks(backend_choices):
+    """As `jaxops.linear_logprob_entropy`: the backend is chosen for one chunk of fp32
+    logits, not for V_loc in the inputs' dtype."""
+    hidden = torch.randn(40, 16, dtype=torch.bfloat16)
+    weight = torch.randn(1000, 16, dtype=torch.bfloat16)
+    y = torch.randint(0, 1000, (40,))
+    for chunk_size, width in ((256, 256), (None, 1000)):
+        blinear.Plan(hidden, weight, y, None, "", chunk_size)
+        assert (backend_choices[-1]["num_vocab"], backend_choices[-1]["itemsize"]) == (
+            width, 4)

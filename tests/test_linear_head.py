@@ -295,3 +295,19 @@ def test_chunk_merge_equals_one_pass_and_ignores_empty_sides():
     assert np.asarray(merged.max_logit)[2] == -np.inf and np.asarray(merged.sum_exp)[2] == 0
     for field in merged:
         assert not np.isnan(np.asarray(field)).any(), merged
+
+
+def test_pallas_picks_its_backend_for_the_chunks(backend_choices):
+    """The kernels read one chunk's fp32 logits [T, chunk] at a time: "pallas" chooses
+    its backend (`implementations.for_call`) for that width and 4-byte elements, not
+    for V_loc and the inputs' dtype (on Hopper, V_loc >= 65,536 in bf16 would otherwise
+    send 4096-column fp32 chunks to the Mosaic kernels, measured slower at such widths)."""
+    keys = jax.random.split(jax.random.key(0), 3)
+    hidden = jax.random.normal(keys[0], (40, 16), jnp.bfloat16)
+    weight = jax.random.normal(keys[1], (1000, 16), jnp.bfloat16)
+    targets = jax.random.randint(keys[2], (40,), 0, 1000)
+    for chunk_size, width in ((256, 256), (None, 1000), (4096, 1000)):
+        jaxops.linear_logprob_entropy(hidden, weight, targets, chunk_size=chunk_size,
+                                      implementation="xla")
+        assert (backend_choices[-1]["num_vocab"], backend_choices[-1]["itemsize"]) == (
+            width, 4)

@@ -23,7 +23,9 @@ each, one device sync per repeat), for:
 and a breakdown of the per-call costs (imports, exports, stream sync, dispatch) that
 explains the difference. Overhead = bridge - jax at small shapes, where the device is idle
 and the wall time is the host's dispatch time; at large shapes the host runs ahead and
-the bridge's overhead hides behind the kernels.
+the bridge's overhead hides behind the kernels. On CUDA every column uses "pallas_triton",
+the JAX route (the default "pallas" takes the direct route on Hopper, which
+`benchmarks/host_direct.py` and `host_interleaved.py` time).
 """
 
 from __future__ import annotations
@@ -349,7 +351,10 @@ def main():
     if device.type == "cuda":
         device = torch.device("cuda", device.index if device.index is not None else 0)
         torch.cuda.set_device(device)
-    impl = "pallas" if device.type == "cuda" else "xla"
+    # The JAX route's pieces, all of them: "pallas" would take the direct route on Hopper
+    # in the eager columns while the ladder's steps time the JAX route (the direct
+    # route's own costs: benchmarks/host_direct.py and host_interleaved.py).
+    impl = "pallas_triton" if device.type == "cuda" else "xla"
     calls = 20 if args.quick else 200
     info = {"python": platform.python_version(), "torch": torch.__version__,
             "jax": jax.__version__, "device": str(device),

@@ -5,7 +5,8 @@
 #                                      # large sizes 15 s, fused head's bridge 15 s
 #     bash benchmarks/gpu_tests.sh b   # Mosaic kernels 400 s, Triton/XLA 20 s, sharding 35 s
 #     bash benchmarks/gpu_tests.sh c   # the bridge's direct route ~370 s (incl. 4 batch-
-#                                      # invariance tests at T = 8192, ~60 s each)
+#                                      # invariance tests at T = 8192, ~60 s each), and the
+#                                      # PPO example (50 steps against float64 and Megatron)
 # carry: .whl (a megatron-core wheel for the device's Python). Each file runs under its own
 # time limit, so one slow file cannot hide the others' results; logs (with pytest's
 # slowest durations) go to $OUT/<file>.log and one summary line per file is printed.
@@ -27,6 +28,12 @@ run() {  # run SECONDS FILE [pytest args...]
     echo "== $file rc=$rc $(( $(date +%s) - t0 ))s: $(grep -E '(passed|failed|error)' "$log" | tail -n 1)"
     [ $rc = 124 ] && echo "   (time limit $limit s hit: $(grep -cE '^\.|^F' "$log") progress lines)"
 }
+example() {  # example SECONDS SCRIPT [args...]
+    local limit=$1 script=$2; shift 2
+    local log="$OUT/$(basename "$script" .py).log" t0=$(date +%s)
+    timeout "$limit" python3 "$script" "$@" > "$log" 2>&1
+    echo "== $script rc=$? $(( $(date +%s) - t0 ))s: $(tail -n 1 "$log")"
+}
 case "${1:-}" in
     a)
         run 170 tests/test_bridge_cuda.py
@@ -40,7 +47,8 @@ case "${1:-}" in
         run 60 tests/test_sharding_gpu.py
         ;;
     c)
-        run 480 tests/test_bridge_direct.py
+        run 420 tests/test_bridge_direct.py
+        example 120 examples/torch_ppo_loop.py --device cuda
         ;;
     *)
         echo "usage: bash benchmarks/gpu_tests.sh a|b|c" >&2

@@ -1,8 +1,8 @@
 """The direct route's host time at T = 16, call by call (issue 12 item 4, sessions 9, 14).
 
-Four functions in turns, each call timed on its own (host µs; the GPU is idle at this
-size): the torch-only floor, the floor behind the bridge's Function signature, the
-direct route with int64 ids and with int32 ids. 3 runs of 1000 rounds each with Python's
+Four functions in turns, their order rotating from round to round, each call timed on its
+own (host µs; the GPU is idle at this size): the torch-only floor, the floor behind the
+bridge's Function signature, the direct route with int64 ids and with int32 ids. 3 runs of 1000 rounds each with Python's
 GC on, off, and on again; per run the p10/p50/p90/mean and p50 / the floor's p50. Timing
 in turns is needed on a host whose speed drifts between loops (benchmarks/NOTES.md,
 "The direct route, host cost again").
@@ -49,8 +49,12 @@ gc.callbacks.append(lambda phase, info: collections.__setitem__(0, collections[0
 
 def interleaved(rounds):
     times = {k: [] for k in fns}
+    names = list(fns)
     for i in range(rounds):
-        for k, fn in fns.items():
+        # Each function takes each place in the round equally often: the one right after
+        # another's call finds that call's code and data warm.
+        for k in names[i % len(names):] + names[:i % len(names)]:
+            fn = fns[k]
             t0 = time.perf_counter()
             fn()
             times[k].append((time.perf_counter() - t0) * 1e6)

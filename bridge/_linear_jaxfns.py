@@ -3,7 +3,7 @@ configuration, as in `_jaxfns.py` (and counted by `_jaxfns.compiled_programs()`)
 
 Each function runs on one row window (`_windows.py`) of `hidden [b, H]` with the whole
 `weight [V_loc, H]`, so it compiles once per window size b, never per T. The chunk
-size is resolved per window size inside the trace (`linear_staged.chunk_columns`).
+size is resolved per window size inside the trace (`jaxops.linear.chunk_columns`).
 
 Packed layouts as in `_jaxfns.py`: `outputs [n_out, b]`, `stats [K, b]`, incoming
 gradients token-major `d_out [b, n]`.
@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from bridge._jaxfns import _cached, _pack_outputs, decode_targets
 from jaxops import linear_staged, staged
+from jaxops.linear import chunk_columns
 
 
 @_cached
@@ -25,7 +26,7 @@ def local_forward(*, shard_index, world, inv_tau, with_entropy, masked, implemen
 
     def fn(hidden, weight, raw_targets, keep_mask):
         targets = decode_targets(raw_targets, target_mode)
-        chunk = linear_staged.chunk_columns(hidden.shape[0], weight.shape[0], chunk_size)
+        chunk = chunk_columns(hidden.shape[0], weight.shape[0], chunk_size)
         packed = linear_staged.local_forward(
             hidden, weight, targets, keep_mask if masked else None, shard_index,
             inv_tau=inv_tau, with_entropy=with_entropy, implementation=implementation,
@@ -69,7 +70,7 @@ def local_backward(*, shard_index, inv_tau, with_entropy, entropy_grad, masked,
 
     def fn(hidden, weight, raw_targets, keep_mask, gathered, d_out, acc):
         targets = decode_targets(raw_targets, target_mode)
-        chunk = linear_staged.chunk_columns(hidden.shape[0], weight.shape[0], chunk_size)
+        chunk = chunk_columns(hidden.shape[0], weight.shape[0], chunk_size)
         return linear_staged.local_backward(
             hidden, weight, targets, keep_mask if masked else None, gathered, shard_index,
             d_out[:, 0] if has_d_log_prob else None,

@@ -57,7 +57,7 @@ from bridge._run import IMPLEMENTATIONS, check_shareable
 from bridge._windows import row_align, row_windows
 from bridge.op import LOGIT_DTYPES, _check_flag, _check_tensor, _group_info, _inv_temperature
 from jaxops import staged
-from jaxops.linear import default_chunk_size
+from jaxops.linear import chunk_columns
 
 __all__ = ["linear_logprob_entropy"]
 
@@ -174,8 +174,7 @@ class Plan:
         self.raw_targets, self.target_mode, self.words = _run._raw_targets(targets, dev)
         # As jaxops.linear_logprob_entropy decides: the kernels read fp32 logits one
         # vocabulary chunk at a time, and the mask as bool.
-        chunk = min(chunk_size or default_chunk_size(hidden.shape[0], weight.shape[0]),
-                    weight.shape[0])
+        chunk = chunk_columns(hidden.shape[0], weight.shape[0], chunk_size)
         self.implementation, self.config = _run.implementation_for(
             implementation, dev, num_vocab=chunk, itemsize=4,
             mask_dtype=None if keep_mask is None else np.bool_)

@@ -62,6 +62,12 @@ def default_chunk_size(num_tokens: int, local_vocab: int) -> int:
     return max(1, min(local_vocab, max(_COLUMN_ALIGN, columns)))
 
 
+def chunk_columns(num_tokens: int, local_vocab: int, chunk_size: int | None) -> int:
+    """Vocabulary columns per chunk for `num_tokens` rows: `chunk_size` (None:
+    `default_chunk_size`), capped at `local_vocab`."""
+    return max(1, min(local_vocab, chunk_size or default_chunk_size(num_tokens, local_vocab)))
+
+
 def _dot(a, b, dims, out_dtype):
     """`lax.dot_general` at full precision for float32/float64 operands: XLA's default
     on GPUs rounds fp32 operands to TF32 (10-bit mantissa), a 1e-3 relative error in
@@ -339,7 +345,7 @@ def linear_logprob_entropy(
         device_array=hidden)
 
     num_tokens = int(np.prod(lead_shape))
-    chunk = int(min(chunk_size or default_chunk_size(num_tokens, num_vocab), num_vocab))
+    chunk = chunk_columns(num_tokens, num_vocab, chunk_size)
     # The kernels read one chunk's fp32 logits [T, chunk] at a time, and the keep mask as
     # bool (below), whatever its dtype here: "pallas" picks its backend for those.
     impl, config = implementations.for_call(

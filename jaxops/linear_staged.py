@@ -23,15 +23,9 @@ from __future__ import annotations
 
 import jax
 
-from jaxops.linear import _linear_local_stats, chunked_backward, default_chunk_size
+from jaxops.linear import _linear_local_stats, chunked_backward
 from jaxops.pallas_config import PallasConfig
 from jaxops.staged import _local_targets, _pack, shard_cotangents
-
-
-def chunk_columns(num_tokens: int, local_vocab: int, chunk_size: int | None) -> int:
-    """Vocabulary columns per chunk for `num_tokens` rows: `chunk_size` (None:
-    `default_chunk_size`), capped at `local_vocab`."""
-    return max(1, min(local_vocab, chunk_size or default_chunk_size(num_tokens, local_vocab)))
 
 
 def local_forward(hidden, weight, targets, keep_mask, shard_index, *, inv_tau: float,

@@ -105,22 +105,19 @@ class Plan:
         self.logits = big("logits", logits, dev)
         self.mask = None if keep_mask is None else big("keep_mask", keep_mask, dev)
         self.raw_targets, self.target_mode, self.words = _raw_targets(targets, dev)
+        # "pallas" (the CUDA default) leaves the route to the bridge: the direct one
+        # (`_direct.applies`: Mosaic kernels) where it applies, else through JAX with the
+        # Triton kernels, whatever the JAX op would pick: their backward writes the
+        # gradient into torch's tensor, the Mosaic one would have JAX allocate [T, V_loc]
+        # beside torch's cache (issue 12's one memory pool; the Mosaic kernels were 2-8%
+        # faster at V_loc >= 65,536, benchmarks/NOTES.md).
+        self.auto = dev.cuda and (implementation or "pallas") == "pallas"
         # A mask counts as bytes: the Mosaic kernels get a bool one as its uint8 view
         # (torch's bool is one byte, 0 or 1: zero-copy), so they pay no conversion.
         self.implementation, self.config = implementation_for(
-            implementation, dev, num_vocab=logits.shape[-1], itemsize=logits.element_size(),
+            "pallas_triton" if self.auto else implementation, dev,
+            num_vocab=logits.shape[-1], itemsize=logits.element_size(),
             mask_dtype=None if keep_mask is None else np.uint8)
-        # "pallas" (the CUDA default) leaves the route to the bridge: the direct one where
-        # it applies (`_direct.applies`), whichever backend the JAX op would pick.
-        self.auto = dev.cuda and (implementation or "pallas") == "pallas"
-        if self.auto and self.implementation == "pallas_mosaic":
-            # Through JAX, "pallas" means the Triton kernels: their backward writes the
-            # gradient into torch's tensor, the Mosaic one would have JAX allocate
-            # [T, V_loc] beside torch's cache (issue 12's one memory pool; the Mosaic
-            # kernels were 2-8% faster at V_loc >= 65,536, benchmarks/NOTES.md).
-            self.implementation, self.config = implementation_for(
-                "pallas_triton", dev, num_vocab=logits.shape[-1],
-                itemsize=logits.element_size())
         if self.implementation == "pallas_mosaic" and self.mask is not None:
             self.mask = self.mask.view(torch.uint8)
         self.num_tokens, self.num_vocab = logits.shape

@@ -8,8 +8,9 @@ sizes b: each function compiles once per window size, never per T.
 
 Targets arrive as torch stores them. int64 ids are passed as their raw bytes,
 viewed as int32 pairs by torch (no copy, no JAX x64 conversion), and decoded
-here: the low word when the high word is its sign extension, else -1 (out of
-range, so that row's log-prob is NaN rather than a wrapped-around id).
+here as the direct route's kernels decode them (`jaxops.contract.ids_from_words`):
+an id outside [0, 2**31) becomes -1 (out of range, so that row's log-prob is NaN
+rather than a wrapped-around id).
 
 Packed layouts (float32): `outputs [n_out, b]` = log_prob and, with entropy, entropy;
 `stats [K, b]` = this shard's statistics (`staged.num_packed`); the backward's
@@ -26,14 +27,14 @@ import jax.numpy as jnp
 
 from bridge import _direct
 from jaxops import staged
+from jaxops.contract import ids_from_words
 
 
 def decode_targets(raw, mode: str):
     if mode == "i32":
         return raw
     pairs = raw.reshape(-1, 2)  # little-endian int64 -> (low, high) int32 words
-    low, high = pairs[:, 0], pairs[:, 1]
-    return jnp.where(high == (low >> 31), low, -1)
+    return ids_from_words(pairs[:, 0], pairs[:, 1])
 
 
 _JITTED: list = []  # every jitted function made here, for compiled_programs()

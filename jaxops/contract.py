@@ -31,6 +31,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 
 # A finite stand-in for -inf inside the kernels. Clamping logits to it keeps
 # products like exp(x - m) * (x - m) at 0 instead of 0 * inf = NaN, while
@@ -93,6 +94,14 @@ def backward_coefs(cotangents: LocalStats, entropy_grad: bool, masked: bool) -> 
         coef_target=cotangents.target_logit,
         coef_masked=cotangents.masked_sum_exp if masked else None,
     )
+
+
+def ids_from_words(low, high):
+    """int32 target ids from the two int32 words (`low`, `high`) of little-endian int64
+    ids, as torch stores its targets (read without a conversion pass): the low word where
+    the id is in [0, 2**31), else -1. Dropping the high word instead would turn an
+    out-of-range id into a plausible one (2**32 + 5 into 5)."""
+    return jnp.where((high == 0) & (low >= 0), low, -1)
 
 
 def masked_sum_shares_row_reference(max_logit, masked_max):

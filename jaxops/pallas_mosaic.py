@@ -50,7 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxops.contract import NEG, BackwardCoefs, LocalStats, varying_struct
+from jaxops.contract import NEG, BackwardCoefs, LocalStats, ids_from_words, varying_struct
 from jaxops.pallas_config import (MosaicConfig, mosaic_defaults, mosaic_rows_tile,
                                   mosaic_supported)
 
@@ -161,9 +161,8 @@ def copy_targets(target_ref, rows, smem, barrier, wide: bool):
 
 
 def read_targets(smem, wide: bool, config: MosaicConfig):
-    """[64] int32 ids in the rows layout from `target_smem(wide)`. A wide id outside
-    [0, 2**31) reads as -1, so the kernels' range test fails it: a dropped high word
-    could otherwise turn a garbage id into a plausible one (2**32 + 5 into 5)."""
+    """[64] int32 ids in the rows layout from `target_smem(wide)`; a wide id outside
+    [0, 2**31) reads as -1 (`contract.ids_from_words`), which the range test fails."""
     if not wide:
         return _read(smem, _rows_layout(), config)
     if config.interpret:  # the interpreter has no reshape transform for SMEM refs
@@ -171,7 +170,7 @@ def read_targets(smem, wide: bool, config: MosaicConfig):
     else:  # Mosaic GPU lowers no strided slice; a column of the [64, 2] view it does
         words = smem.reshape(_ROWS, 2)
         low, high = (_layout(words[:, k], _rows_layout(), config) for k in (0, 1))
-    return jnp.where((high == 0) & (low >= 0), low, -1)
+    return ids_from_words(low, high)
 
 
 def _row_vector(value, dtype, config):
@@ -542,10 +541,10 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsiz
         vectors_ref = refs.pop(0)  # [num_vectors, padded] float32, see backward_logits
         dlogits_ref = refs.pop(0)
         target_smem, vectors_smem, grad_smem, barrier = refs
-        plgpu.copy_gmem_to_smem(target_ref.at[rows], target_smem, barrier.at[0])
+        copy_targets(target_ref, rows, target_smem, barrier.at[0], wide=False)
         plgpu.copy_gmem_to_smem(vectors_ref.at[:, rows], vectors_smem, barrier.at[0])
         plgpu.barrier_wait(barrier.at[0])
-        target = _read(target_smem, _rows_layout(), config)
+        target = read_targets(target_smem, False, config)
         vectors = [_read(vectors_smem.at[i], _rows_layout(), config)
                    for i in range(num_vectors)]
     else:
@@ -685,7 +684,7 @@ def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
                           num_vectors=num_vectors),
         out_type=varying_struct(out_shape, logits.dtype, *operands, max_logit,
                                 *[c for c in coefs if c is not None]),
-        scratch_types=[plgpu.SMEM((_ROWS,), jnp.int32),
+        scratch_types=[target_smem(wide=False),
                        plgpu.SMEM((num_vectors, _ROWS), jnp.float32),
                        plgpu.SMEM((config.num_stages, _ROWS, config.block_v), logits.dtype,
                                   transforms=_transforms(num_tokens, num_vocab, itemsize,

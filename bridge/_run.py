@@ -109,8 +109,9 @@ class Plan:
         # (`_direct.applies`: Mosaic kernels) where it applies, else through JAX with the
         # Triton kernels, whatever the JAX op would pick: their backward writes the
         # gradient into torch's tensor, the Mosaic one would have JAX allocate [T, V_loc]
-        # beside torch's cache (issue 12's one memory pool; the Mosaic kernels were 2-8%
-        # faster at V_loc >= 65,536, benchmarks/NOTES.md).
+        # beside torch's cache (issue 12's one memory pool; at V_loc >= 65,536 the Mosaic
+        # kernels were 1-8% faster forward+backward, 4-23% forward alone: the crossover
+        # table in benchmarks/NOTES.md, "Small grids, and which backend").
         self.auto = dev.cuda and (implementation or "pallas") == "pallas"
         # A mask counts as bytes: the Mosaic kernels get a bool one as its uint8 view
         # (torch's bool is one byte, 0 or 1: zero-copy), so they pay no conversion.

@@ -23,8 +23,9 @@ gradients of all model parameters are compared with the same loss computed by
     rounding (2^-9 per element of d logits) reaches the parameters through a linear map
     that can amplify it: 4.1e-3 was seen at one step of a CPU run; a semantic difference
     (sign, temperature, a missing term) is O(1).
-Also checked: the bridge's compiled programs stay within one per power-of-two row window
-(forward and backward) and, on CUDA, no host synchronisation in the bridge's forward and
+Also checked: the bridge's compiled programs stay within a few per power-of-two row window
+(forward and backward through JAX; on the direct route the statistics kernels and the
+backward kernel, 3) and, on CUDA, no host synchronisation in the bridge's forward and
 backward (torch's sync debug mode), and after the first steps neither JAX's memory pool
 nor torch's live memory grows (within 1 MiB; torch's cache may take one more segment: at
 most +25%).
@@ -163,7 +164,7 @@ def run_rank(rank, world, device, args):
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*is deprecated")
     import bridge  # before anything starts JAX (GPU memory policy)
     import megatron.core.jit as megatron_jit
-    from bridge import _jaxfns, _windows
+    from bridge import _direct, _jaxfns, _windows
 
     megatron_jit.disable_jit_fuser()  # Megatron's fused CE, eager (same arithmetic)
     from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
@@ -174,9 +175,13 @@ def run_rank(rank, world, device, args):
     optimizer = torch.optim.Adam(params, lr=1e-3)
     cuda = device.type == "cuda"
     jax_device = bridge._dlpack.device(device).jax_device if cuda else None
-    # programs per power-of-two window size: forward and backward, + the combine after
-    # the all-gather when the vocabulary is split
-    bound = (2 if world == 1 else 3) * (max(args.max_tokens - 1, 1).bit_length() + 1)
+    # programs per power-of-two window size. Through JAX: forward and backward, + the
+    # combine after the all-gather when the vocabulary is split. The direct route (one
+    # shard on a Hopper GPU): the statistics kernels (partials + finish, or one kernel
+    # where V_loc is a single vocabulary chunk) and the backward kernel.
+    direct = cuda and world == 1 and _direct._ready()
+    per_window = 3 if direct or world > 1 else 2
+    bound = per_window * (max(args.max_tokens - 1, 1).bit_length() + 1)
     compiled_before = _jaxfns.compiled_programs()
     log, failures, reserved = [], [], []
 

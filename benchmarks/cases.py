@@ -21,7 +21,10 @@ IMPLS = PALLAS_IMPLS + ("jaxops-xla", "bridge", "jax-jit", "torch-compile", "tor
                         "megatron")  # every name --filter impl= knows, in run order
 DEFAULT_IMPLS = tuple(i for i in IMPLS if i not in ALIAS_IMPLS)  # no impl filter
 JAX_IMPLS = PALLAS_IMPLS + ("jaxops-xla", "jax-jit")  # the others run from PyTorch
-TORCH_IMPLS = ("megatron", "torch-eager", "torch-compile")  # big sizes: run first (build_cases)
+TORCH_IMPLS = ("megatron", "torch-eager", "torch-compile")
+# Big sizes: these run first (build_cases). The bridge counts: its buffers (the [T, V_loc]
+# gradient included) come from torch's allocator, which JAX's grown pool would starve.
+TORCH_POOL_IMPLS = TORCH_IMPLS + ("bridge",)
 DTYPES = ("float32", "bfloat16")
 V_FULL, V_SHARD = 151_936, 151_936 // 8
 MAIN_T, MAIN_V = 8192, V_FULL
@@ -128,9 +131,11 @@ def is_big(T, V):
 
 
 def build_cases(mode, filters):
-    """Cases in run order: size groups by priority, except that the torch-only cases of the
-    big sizes come first of all, while JAX's memory pool is still small (runner.py's doc):
-    they need tens of GB of temporaries, and JAX's pool never shrinks. Their torch.compile
+    """Cases in run order: size groups by priority, except that the cases of the big sizes
+    that allocate from torch's pool (TORCH_POOL_IMPLS) come first of all, while JAX's memory
+    pool is still small (runner.py's doc): they need tens of GB, and JAX's pool never
+    shrinks (session 12's run put the bridge after the JAX rows at T = 32768: JAX held
+    135 GB, 13.6 GB were free, the bridge's gradient did not fit). Their torch.compile
     graphs (T dynamic) are the ones the later sizes reuse, so this costs no extra compiles."""
     cases = []
     for T, V, combos in size_groups(mode):
@@ -147,5 +152,5 @@ def build_cases(mode, filters):
                     continue
                 if case_selected(case, filters):
                     cases.append(case)
-    front = [c for c in cases if c.impl in TORCH_IMPLS and is_big(c.T, c.V)]
+    front = [c for c in cases if c.impl in TORCH_POOL_IMPLS and is_big(c.T, c.V)]
     return front + [c for c in cases if c not in front]

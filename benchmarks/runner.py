@@ -29,8 +29,8 @@ Measurement rules (all recorded in the JSON under "method"):
   bridge: torch's peak delta + JAX's `bytes_in_use` / peak delta.
 * JAX and PyTorch share the GPU: XLA_PYTHON_CLIENT_PREALLOCATE=false is set before JAX
   starts (and XLA_PYTHON_CLIENT_MEM_FRACTION=0.90 unless set), with the default BFC
-  allocator: its pool grows but is never returned, so the torch-only implementations at
-  the large sizes (T = 32768: 20 GB fp32 logits, ~100 GB for eager temporaries) run first
+  allocator: its pool grows but is never returned, so the implementations that allocate
+  from torch's pool (the torch-only ones and the bridge) at the large sizes (T = 32768: 20 GB fp32 logits, ~100 GB for eager temporaries) run first
   of all, before JAX has allocated anything but the bandwidth test. The platform allocator would return
   memory but makes every allocation a synchronous cudaMalloc/cudaFree and would distort
   JAX's times; it is not used. Between cases everything is freed (del, gc,

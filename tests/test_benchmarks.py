@@ -125,10 +125,11 @@ def test_filters_select_cases():
     assert {c.V for c in selected} == {151_936, 151_936 // 8}
     selected = cases.build_cases("full", cases.parse_filters(["entropy=no;mask=yes"]))
     assert selected and all(not c.entropy and c.mask for c in selected)
-    # Torch at the large size runs first of all (JAX's pool never shrinks), then the
-    # headline size.
+    # What allocates from torch's pool (the bridge too) runs first of all at the large
+    # size (JAX's pool never shrinks), then the headline size.
     full = cases.build_cases("full", {})
-    big_torch = [c for c in full if c.T == 32768 and c.impl in cases.TORCH_IMPLS]
+    big_torch = [c for c in full if c.T == 32768 and c.impl in cases.TORCH_POOL_IMPLS]
+    assert any(c.impl == "bridge" for c in big_torch)
     assert full[:len(big_torch)] == big_torch
     assert (full[len(big_torch)].T, full[len(big_torch)].V) == (8192, 151_936)
     with pytest.raises(SystemExit):

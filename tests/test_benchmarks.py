@@ -24,7 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(REPO, "benchmarks")
 ENTRY_SCRIPTS = ("bench", "report", "plot", "tune", "profile_kernels", "gpu_smoke",
                  "bridge_overhead", "kernel_asm", "mosaic_tune", "backend_choice",
-                 "bridge_backend_choice")
+                 "bridge_backend_choice", "plot_linear_head")
 
 
 def _run(*args, timeout=900, cwd=REPO, pythonpath=True):
@@ -426,3 +426,13 @@ def test_backend_choice_times_both_backends():
     assert (row["T"], row["V"], row["dtype"], row["entropy"]) == (8, 64, "float32", True)
     for impl in backend_choice.IMPLS:
         assert len(row[impl]) == 2 and min(row[impl]) > 0
+
+
+def test_plot_linear_head_draws_the_committed_h200_run(tmp_path):
+    """plot_linear_head.py turns the committed fused-head results into a PNG."""
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "head.png"
+    _run("-m", "benchmarks.plot_linear_head",
+         os.path.join(BENCH_DIR, "results", "h200_linear_head.json"), "--out", str(png),
+         timeout=120)
+    assert png.stat().st_size > 10_000

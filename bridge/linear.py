@@ -422,8 +422,8 @@ def linear_logprob_entropy(
       chunk_size: vocabulary columns per chunk (any int >= 1); None:
         `jaxops.linear.default_chunk_size(b, V_loc)` for a window of b rows (fp32 logits
         of at most max(64 MiB, 1/24 of the window's bf16 logits), 128-column aligned).
-        Extra memory per rank, in JAX's pool: about `b * chunk_size * 10` bytes for bf16
-        (a chunk's fp32 logits, their fp32 gradient and that in bf16), the fp32 d hidden
+        Extra memory per rank, in JAX's pool: about `b * chunk_size * 6` bytes for bf16
+        (a chunk's fp32 logits and their gradient in bf16), the fp32 d hidden
         accumulator `b * H * 4`, and with several windows the fp32 d weight accumulator
         `V_loc * H * 4`; never `[T, V_loc]`.
       reduce_hidden_grad: what d hidden is with a process group of R > 1 ranks. The

@@ -8,7 +8,7 @@ An implementation module supplies two functions:
   forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
                 config) -> LocalStats
   backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
-                  coefs, *, inv_tau, config) -> dlogits
+                  coefs, *, inv_tau, config, out_dtype=None) -> dlogits
 
 `logits` is this shard's `[T, V_loc]` (float32, bfloat16 or float16), `local_targets`
 `[T]` int32 indices into the shard (out of range: the target lives elsewhere),
@@ -21,7 +21,8 @@ per element (x = logits * inv_tau, m = max_logit, r = masked_max, e = exp(x - m)
   dx_j = e_j * (coef_sum + coef_shifted * (x_j - m))            # entropy, LSE
        + [kept_j] * exp(x_j - r) * coef_masked                   # masked LSE
        + [j == target] * coef_target                            # target logit
-  dlogits_j = dx_j * inv_tau, rounded once to the logits' dtype,
+  dlogits_j = dx_j * inv_tau, rounded once to the logits' dtype (or `out_dtype`: the
+              fused head hands fp32 logits chunks in and wants d logits in bf16),
 
 where kept_j = keep_mask_j or j == target (the target always counts as kept).
 """

@@ -46,9 +46,9 @@ from jaxops.pallas_config import PallasConfig
 from jaxops.reference import logprob_entropy_reference
 
 # The default chunk: its fp32 logits take at most 1/24 of the bf16 [T, V_loc] logits'
-# bytes (the chunk's temporaries -- fp32 logits, fp32 and bf16 d logits -- then stay
-# under 1/8 of them), and at least MIN_CHUNK_BYTES so that small T still gets wide,
-# efficient GEMMs.
+# bytes (the chunk's temporaries -- fp32 logits and bf16 d logits -- then stay under 1/16
+# of them, leaving room for the fp32 d hidden accumulator, 2H/V of them), and at least
+# MIN_CHUNK_BYTES so that small T still gets wide, efficient GEMMs.
 MIN_CHUNK_BYTES = 64 * 2**20
 _COLUMN_ALIGN = 128
 
@@ -215,12 +215,12 @@ def chunked_backward(hidden, weight, local_targets, keep_mask, max_logit, masked
 
     def body(carry, start, weight_c, mask_c, targets_c):
         d_hidden, out_weight = carry
-        d_logits = kernels.backward_logits(
-            _logits(hidden, weight_c), targets_c, mask_c, max_logit, masked_max, coefs,
-            inv_tau=inv_tau, config=config)  # [T, C] fp32, like the logits
         # The GEMMs take d logits in the inputs' dtype, as the unfused op's gradient of
         # bf16 logits is: an fp32 operand would turn both into fp32 GEMMs (~10x slower).
-        d_logits = d_logits.astype(compute)
+        # The kernel rounds them as it stores them: no fp32 [T, C] array, no pass over it.
+        d_logits = kernels.backward_logits(
+            _logits(hidden, weight_c), targets_c, mask_c, max_logit, masked_max, coefs,
+            inv_tau=inv_tau, config=config, out_dtype=compute)  # [T, C]
         if d_hidden is not None:
             d_hidden = d_hidden + _dot(d_logits, weight_c, ((1,), (0,)), acc)
         if out_weight is not None:
@@ -316,11 +316,11 @@ def linear_logprob_entropy(
       Gradients w.r.t. `hidden` and `weight` have their dtypes (fp32 accumulation,
       rounded once).
 
-    Memory beyond the inputs, outputs and gradients: one chunk of fp32 logits, its
-    fp32 gradient and that gradient in the inputs' dtype, `T * chunk_size * 10`
-    bytes for bf16, plus the fp32 `d hidden` accumulator `T * H * 4` and O(T) floats
-    of statistics; never `[T, V_loc]`. With the default chunk that is under 1/8 of
-    the bf16 logits' size plus `T * H * 4`.
+    Memory beyond the inputs, outputs and gradients: one chunk of fp32 logits and its
+    gradient in the inputs' dtype, `T * chunk_size * 6` bytes for bf16 (8 for fp32),
+    plus the fp32 `d hidden` accumulator `T * H * 4` and O(T) floats of statistics;
+    never `[T, V_loc]`. With the default chunk (at T * V_loc * 2 / 24 >= 64 MiB) that
+    is under 1/16 of the bf16 logits' size plus `T * H * 4`.
 
     Vocab parallel `d hidden`: every shard's logits depend on all of `hidden`, so
     its gradient is the sum over shards. The op returns the full sum: under

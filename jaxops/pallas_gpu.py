@@ -409,8 +409,12 @@ def can_write_into(logits, keep_mask, config: PallasConfig) -> bool:
 
 def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
                     coefs: BackwardCoefs, *, inv_tau,
-                    config: PallasConfig = PallasConfig(), into=None) -> jax.Array:
-    """d loss / d logits `[T, V_loc]` in the logits' dtype.
+                    config: PallasConfig = PallasConfig(), into=None,
+                    out_dtype=None) -> jax.Array:
+    """d loss / d logits `[T, V_loc]` in the logits' dtype, or in `out_dtype`: the kernel
+    rounds its fp32 values once to that dtype as it stores them (the same bits as storing
+    fp32 and converting after, without the fp32 array and the pass over it: the fused
+    head hands in fp32 logits chunks and wants bf16 d logits for its GEMMs).
 
     With `into` (a `[T, V_loc]` array of the logits' dtype, e.g. a DLPack view of
     memory another framework allocated), the kernel stores the gradient into that
@@ -423,6 +427,8 @@ def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
     if into is not None:
         if not can_write_into(logits, keep_mask, config):
             raise ValueError("backward_logits(into=...) needs the compiled Pallas kernels")
+        if out_dtype is not None and jnp.dtype(out_dtype) != logits.dtype:
+            raise ValueError("backward_logits(into=...) writes the logits' dtype")
         if into.shape != logits.shape or into.dtype != logits.dtype:
             raise ValueError(f"into must be {logits.shape} {logits.dtype}, "
                              f"got {into.shape} {into.dtype}")
@@ -430,7 +436,7 @@ def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
         from jaxops import xla
 
         return xla.backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
-                                   coefs, inv_tau=inv_tau)
+                                   coefs, inv_tau=inv_tau, out_dtype=out_dtype)
     num_tokens, num_vocab = logits.shape
     masked = keep_mask is not None
     config = with_tuned_defaults(config, num_vocab, masked=masked,
@@ -450,7 +456,7 @@ def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
         out_shape = varying_struct((num_tokens,), jnp.float32, *rows, *matrices)
         out_spec = _row_spec()
     else:
-        out_shape = varying_struct(logits.shape, logits.dtype, *rows, *matrices)
+        out_shape = varying_struct(logits.shape, out_dtype or logits.dtype, *rows, *matrices)
         out_spec = _matrix_spec(num_vocab)
     return pl.pallas_call(
         kernel,

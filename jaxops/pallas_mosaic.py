@@ -638,8 +638,17 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsiz
 
 def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
                     coefs: BackwardCoefs, *, inv_tau,
-                    config: MosaicConfig | None = None) -> jax.Array:
-    """d loss / d logits `[T, V_loc]` in the logits' dtype (see `contract.py`)."""
+                    config: MosaicConfig | None = None, out_dtype=None) -> jax.Array:
+    """d loss / d logits `[T, V_loc]` in the logits' dtype (see `contract.py`); another
+    `out_dtype` is a rounding of that after the kernel (the kernel stores through SMEM
+    tiles of the logits' dtype), not a narrower store as in `pallas_gpu`."""
+    dlogits = _backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
+                               coefs, inv_tau=inv_tau, config=config)
+    return dlogits if out_dtype is None else dlogits.astype(out_dtype)
+
+
+def _backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
+                     coefs: BackwardCoefs, *, inv_tau, config: MosaicConfig | None):
     num_tokens, num_vocab = logits.shape
     masked = keep_mask is not None
     itemsize = logits.dtype.itemsize

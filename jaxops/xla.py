@@ -69,7 +69,7 @@ def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
 
 
 def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
-                    coefs: BackwardCoefs, *, inv_tau, config=None) -> jax.Array:
+                    coefs: BackwardCoefs, *, inv_tau, config=None, out_dtype=None) -> jax.Array:
     del config  # nothing to configure
     num_vocab = logits.shape[-1]
     x = _scaled(logits, inv_tau)
@@ -83,4 +83,4 @@ def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
     if kept is not None:
         masked_exp = jnp.exp(x - _finite_or_zero(masked_max)[:, None])
         dx = dx + jnp.where(kept, masked_exp * coefs.coef_masked[:, None], 0.0)
-    return (dx * inv_tau).astype(logits.dtype)
+    return (dx * inv_tau).astype(out_dtype or logits.dtype)

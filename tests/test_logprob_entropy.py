@@ -617,6 +617,36 @@ def test_masked_max_is_the_reference_point_of_the_masked_sum(dtype):
     np.testing.assert_allclose(normaliser, want, rtol=0, atol=1e-5 * np.abs(want).max())
 
 
+@pytest.mark.parametrize("mask", [None, "random"])
+@pytest.mark.parametrize("implementation", ["pallas", "xla"])
+def test_backward_out_dtype_is_the_rounded_gradient(implementation, mask):
+    """`backward_logits(..., out_dtype=bf16)` on fp32 logits (what the fused head asks for)
+    is bitwise the fp32 gradient rounded to bf16: the Triton kernel rounds as it stores,
+    the XLA path after its arithmetic."""
+    from jaxops import contract, implementations
+
+    logits, targets, keep_mask = make_inputs(13, (37,), 300, F32, mask=mask)
+    local_targets = targets.astype(jnp.int32)
+    config = interpret_config(block_v=128) if implementation == "pallas" else None
+    kernels = implementations.kernels(implementation)
+    stats = kernels.forward_stats(logits, local_targets, keep_mask, inv_tau=1 / BASE_TAU,
+                                  with_entropy=True, config=config)
+    rng = np.random.default_rng(0)
+    cot = contract.LocalStats(*[jnp.asarray(rng.standard_normal(37), F32) for _ in range(6)])
+    coefs = contract.backward_coefs(cot, True, keep_mask is not None)
+
+    def grad(out_dtype):
+        return kernels.backward_logits(
+            logits, local_targets, keep_mask, stats.max_logit, stats.masked_max, coefs,
+            inv_tau=1 / BASE_TAU, config=config, out_dtype=out_dtype)
+
+    wide, narrow = grad(None), grad(jnp.bfloat16)
+    assert wide.dtype == F32 and narrow.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(narrow.astype(F32)),
+                                  np.asarray(wide.astype(jnp.bfloat16).astype(F32)))
+    assert np.any(np.asarray(wide) != np.asarray(narrow.astype(F32)))  # it did round
+
+
 # --------------------------------------------------------------- bad calls, targets
 
 

@@ -3,7 +3,10 @@
 over the GEMM floor, and peak extra memory over the bf16 logits, per (T, H) and row.
 
     python -m benchmarks.plot_linear_head benchmarks/results/h200_linear_head.json \
-        [--out benchmarks/results/h200_linear_head.png]
+        [MORE.json ...] [--out benchmarks/results/h200_linear_head.png]
+
+Rows a later file measured fill in rows the first one did not (a run's time budget can
+skip rows; they are then measured in a second run).
 
 Left: forward+backward time / the faster GEMM-floor row at that shape (the four GEMMs a
 recomputing fused op needs; the unfused rows run three, so they can sit below 1), with
@@ -97,12 +100,20 @@ def plot(results, out):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("results")
-    parser.add_argument("--out", default=None, help="PNG (default: the JSON's name, .png)")
+    parser.add_argument("results", nargs="+")
+    parser.add_argument("--out", default=None, help="PNG (default: the first JSON's name, .png)")
     args = parser.parse_args(argv)
-    with open(args.results) as f:
+    with open(args.results[0]) as f:
         results = json.load(f)
-    out = args.out or os.path.splitext(args.results)[0] + ".png"
+    for path in args.results[1:]:
+        with open(path) as f:
+            more = json.load(f)
+        have = {(r["impl"], r["T"], r["H"], r.get("entropy")) for r in results["rows"]
+                if r.get("status") == "ok"}
+        results["rows"] = [r for r in results["rows"] if r.get("status") == "ok"] + [
+            r for r in more["rows"]
+            if r.get("status") == "ok" and (r["impl"], r["T"], r["H"], r.get("entropy")) not in have]
+    out = args.out or os.path.splitext(args.results[0])[0] + ".png"
     print(f"wrote {plot(results, out)}")
 
 

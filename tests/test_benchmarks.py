@@ -24,7 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(REPO, "benchmarks")
 ENTRY_SCRIPTS = ("bench", "report", "plot", "tune", "profile_kernels", "gpu_smoke",
                  "bridge_overhead", "kernel_asm", "mosaic_tune", "backend_choice",
-                 "bridge_backend_choice", "plot_linear_head")
+                 "bridge_backend_choice", "plot_linear_head", "linear_chunks")
 
 
 def _run(*args, timeout=900, cwd=REPO, pythonpath=True):
@@ -436,3 +436,13 @@ def test_plot_linear_head_draws_the_committed_h200_run(tmp_path):
          os.path.join(BENCH_DIR, "results", "h200_linear_head.json"), "--out", str(png),
          timeout=120)
     assert png.stat().st_size > 10_000
+
+
+def test_linear_chunks_tiny_run(tmp_path):
+    """linear_chunks.py --tiny (CPU shapes) times every row and writes them all."""
+    out = tmp_path / "chunks.json"
+    _run("-m", "benchmarks.linear_chunks", "--tiny", "--out", str(out), timeout=300)
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["name"] for r in rows].count("forward GEMM") == 2
+    op_rows = [r for r in rows if r["name"] == "linear_logprob_entropy"]
+    assert len(op_rows) == 3 and all(r["fwd_ms"] > 0 and r["fb_ms"] > 0 for r in op_rows)

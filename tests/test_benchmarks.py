@@ -24,7 +24,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(REPO, "benchmarks")
 ENTRY_SCRIPTS = ("bench", "report", "plot", "tune", "profile_kernels", "gpu_smoke",
                  "bridge_overhead", "kernel_asm", "mosaic_tune", "backend_choice",
-                 "bridge_backend_choice", "plot_linear_head", "linear_chunks")
+                 "bridge_backend_choice", "plot_linear_head", "linear_chunks",
+                 "fused_head_probe")
 
 
 def _run(*args, timeout=900, cwd=REPO, pythonpath=True):
@@ -446,3 +447,29 @@ def test_linear_chunks_tiny_run(tmp_path):
     assert [r["name"] for r in rows].count("forward GEMM") == 2
     op_rows = [r for r in rows if r["name"] == "linear_logprob_entropy"]
     assert len(op_rows) == 3 and all(r["fwd_ms"] > 0 and r["fb_ms"] > 0 for r in op_rows)
+
+
+def test_fused_head_probe_interpret_matches_xla():
+    """The fused-head prototype (benchmarks/fused_head_probe.py) in Mosaic GPU's interpreter
+    gives the XLA statistics of hidden @ weight.T (it exits 1 beyond 1e-4)."""
+    out = _run("-m", "benchmarks.fused_head_probe", timeout=300)
+    assert out.count("max relative error") == 4
+
+
+@pytest.mark.parametrize("block_n", [64, 128, 256])
+def test_fused_head_probe_lowers_for_cuda(block_n):
+    """Its GPU path (wgmma on a transposed weight tile, which the interpreter cannot run)
+    lowers for CUDA: Mosaic GPU checks layouts, transforms and TMA descriptors there."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    from benchmarks.fused_head_probe import fused_forward_stats
+
+    S = jax.ShapeDtypeStruct
+    f = functools.partial(fused_forward_stats, inv_tau=1 / 0.7, with_entropy=True,
+                          block_n=block_n)
+    text = jax.jit(f).trace(S((4096, 4096), jnp.bfloat16), S((151936, 4096), jnp.bfloat16),
+                            S((4096,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

@@ -59,7 +59,6 @@ def fused_forward_stats(hidden, weight, local_targets, *, inv_tau, with_entropy,
     padded = row_blocks * _ROWS
     swizzle = block_k * itemsize  # 64 bf16 columns: a 128-byte swizzle
     transforms = (plgpu.TilingTransform((8, block_k)), plgpu.SwizzleTransform(swizzle))
-    scale = float(inv_tau) * pm._LOG2E
     inv_tau = float(inv_tau)
     num_out = 3 + with_entropy  # max, sum[, shifted], target
 
@@ -81,18 +80,12 @@ def fused_forward_stats(hidden, weight, local_targets, *, inv_tau, with_entropy,
             cols = (first_tile + j) * block_n + pm._layout(
                 lax.broadcasted_iota(jnp.int32, shape, 1), wgmma_layout, config)
             in_vocab = (cols >= first_owned * block_n) & (cols < num_vocab)
-            raw = jnp.where(in_vocab, acc, pm._EXCLUDED)
-            new_max = jnp.maximum(row_max, raw.max(axis=1))
-            d = raw * scale + pm._per_col(pm._neg_reference(new_max * inv_tau), shape)
-            exp_d = jnp.exp2(d)
-            d_old = (row_max - new_max) * scale
-            rescale = jnp.exp2(d_old)
-            if with_entropy:
-                shifted = rescale * (shifted + d_old * sum_exp) + (exp_d * d).sum(axis=1)
-            sum_exp = sum_exp * rescale + exp_d.sum(axis=1)
+            row_max, sum_exp, shifted, _, _ = pm.fold_tile(
+                jnp.where(in_vocab, acc, pm._EXCLUDED), row_max, sum_exp, shifted,
+                inv_tau=inv_tau)
             hit = (cols == pm._per_col(target, shape)) & in_vocab
             target_sum = target_sum + jnp.where(hit, acc, 0.0).sum(axis=1)
-            return new_max, sum_exp, shifted, target_sum
+            return row_max, sum_exp, shifted, target_sum
 
         # delay_release=1: a step's SMEM slots are reused one step later, so the wgmma
         # that reads them may still be in flight when the step returns (wgmma_wait(1)).
@@ -158,14 +151,10 @@ def fused_forward_stats(hidden, weight, local_targets, *, inv_tau, with_entropy,
     row_max, sum_exp = outs[0], outs[1]
     shifted = outs[2] if with_entropy else None
     target_raw = outs[-1].sum(axis=0)
-    row_max, sum_exp, shifted = pm._combine(
-        [(row_max[c], sum_exp[c], None if shifted is None else shifted[c])
-         for c in range(chunks)], inv_tau)
-    empty = row_max <= NEG
-    return LocalStats(
-        jnp.where(empty, -jnp.inf, row_max * inv_tau), jnp.where(empty, 0.0, sum_exp),
-        jnp.where(empty, 0.0, shifted * pm._LN2) if with_entropy else None,
-        jnp.where(on_shard, target_raw * inv_tau, 0.0), None, None)
+    max_logit, sum_exp, sum_exp_shifted = pm.row_statistics(row_max, sum_exp, shifted,
+                                                            inv_tau)
+    return LocalStats(max_logit, sum_exp, sum_exp_shifted,
+                      jnp.where(on_shard, target_raw * inv_tau, 0.0), None, None)
 
 
 def main(argv=None):

@@ -270,6 +270,26 @@ def num_partials(with_entropy: bool, masked: bool, with_target: bool = False) ->
     return 2 + with_entropy + 2 * masked + with_target * (1 + masked)
 
 
+def fold_tile(raw, row_max, sum_exp, shifted, *, inv_tau):
+    """One [64, width] float32 tile of raw logits (columns left out at _EXCLUDED) folded
+    into its rows' running statistics: the row max m in raw units, sum 2^d and (unless
+    `shifted` is None) sum 2^d d, d = (x - m) log2(e) relative to the running max.
+    Returns them and the tile's 2^d and the old sums' rescale factor (the masked sums
+    reuse both). Also the fused head's epilogue on its logits tiles
+    (`benchmarks/fused_head_probe.py`)."""
+    scale = inv_tau * _LOG2E
+    shape = raw.shape
+    new_max = jnp.maximum(row_max, raw.max(axis=1))
+    d = raw * scale + _per_col(_neg_reference(new_max * inv_tau), shape)
+    exp_d = jnp.exp2(d)
+    d_old = (row_max - new_max) * scale
+    rescale = jnp.exp2(d_old)
+    if shifted is not None:  # before sum_exp is updated: the rescale needs the old sum
+        shifted = rescale * (shifted + d_old * sum_exp) + (exp_d * d).sum(axis=1)
+    sum_exp = sum_exp * rescale + exp_d.sum(axis=1)
+    return new_max, sum_exp, shifted, exp_d, rescale
+
+
 def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, itemsize,
                     with_target=False, wide_targets=False, epilogue=None):
     """`with_target`: also read the rows' (shard-local) targets and sum, per chunk, the
@@ -344,15 +364,8 @@ def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, ite
         row_max, sum_exp, shifted, kept_max, kept_sum, target_sum, target_kept = carry
         stored, raw, in_vocab = read_raw(logits_smem, j, edge)
 
-        new_max = jnp.maximum(row_max, raw.max(axis=1))
-        d = raw * scale + _per_col(_neg_reference(new_max * inv_tau), shape)
-        exp_d = jnp.exp2(d)
-        d_old = (row_max - new_max) * scale
-        rescale = jnp.exp2(d_old)
-        if with_entropy:  # before sum_exp is updated: the rescale needs the old sum
-            shifted = rescale * (shifted + d_old * sum_exp) + (exp_d * d).sum(axis=1)
-        sum_exp = sum_exp * rescale + exp_d.sum(axis=1)
-        row_max = new_max
+        row_max, sum_exp, shifted, exp_d, rescale = fold_tile(
+            raw, row_max, sum_exp, shifted, inv_tau=inv_tau)
 
         keep = None
         if masked:  # columns left out are at _EXCLUDED: neither their max nor exp counts
@@ -449,6 +462,19 @@ def _combine(partials, inv_tau):
     return total_max, total_sum, total_shifted
 
 
+def row_statistics(row_max, sum_exp, shifted, inv_tau):
+    """The per-chunk partials (raw max, sum of 2^d[, sum of 2^d d]), each [chunks, T],
+    folded over the chunks into `LocalStats`' max_logit, sum_exp and sum_exp_shifted
+    (None without `shifted`); a row with no finite logit gets (-inf, 0, 0)."""
+    with_entropy = shifted is not None
+    row_max, sum_exp, shifted = _combine(
+        [(row_max[c], sum_exp[c], shifted[c] if with_entropy else None)
+         for c in range(row_max.shape[0])], inv_tau)
+    empty = row_max <= NEG  # no finite logit in this row
+    return (jnp.where(empty, -jnp.inf, row_max * inv_tau), jnp.where(empty, 0.0, sum_exp),
+            jnp.where(empty, 0.0, shifted * _LN2) if with_entropy else None)
+
+
 def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
                   config: MosaicConfig | None = None) -> LocalStats:
     num_tokens, num_vocab = logits.shape
@@ -484,14 +510,8 @@ def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
     outs = [o[:, :num_tokens] for o in outs]
     row_max, sum_exp = outs.pop(0), outs.pop(0)
     shifted = outs.pop(0) if with_entropy else None
-    row_max, sum_exp, shifted = _combine(
-        [(row_max[c], sum_exp[c], None if shifted is None else shifted[c])
-         for c in range(chunks)], inv_tau)
-
-    empty = row_max <= NEG  # no finite logit in this row
-    max_logit = jnp.where(empty, -jnp.inf, row_max * inv_tau)
-    sum_exp = jnp.where(empty, 0.0, sum_exp)
-    sum_exp_shifted = jnp.where(empty, 0.0, shifted * _LN2) if with_entropy else None
+    max_logit, sum_exp, sum_exp_shifted = row_statistics(row_max, sum_exp, shifted,
+                                                         inv_tau)
 
     on_shard = (local_targets >= 0) & (local_targets < num_vocab)
     safe_target = jnp.where(on_shard, local_targets, 0).astype(jnp.int32)[:, None]

@@ -159,7 +159,6 @@ def fused_forward_stats(hidden, weight, local_targets, *, inv_tau, with_entropy,
 
 def main(argv=None):
     import argparse
-    import time
 
     import numpy as np
 
@@ -190,14 +189,11 @@ def main(argv=None):
         return 0 if worst < 1e-4 else 1
 
     import jaxops
+    from benchmarks import harness
 
-    def ms(fn, *a, n=5):
-        jax.block_until_ready(fn(*a))
-        t0 = time.perf_counter()
-        for _ in range(n):
-            out = fn(*a)
-        jax.block_until_ready(out)
-        return (time.perf_counter() - t0) / n * 1e3
+    def ms(fn, *args):  # one warm-up call, then 5 calls back to back: mean per call
+        return harness.time_calls(fn, (args,), reps=1, calls=5,
+                                  sync=harness.block_jax).seconds * 1e3
 
     print("bf16 GEMM ms", ms(jax.jit(lambda h, w: jnp.dot(h, w.T)), h, w), flush=True)
     print("chunked forward ms", ms(jax.jit(lambda h, w, y: jaxops.linear_logprob_entropy(

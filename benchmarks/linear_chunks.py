@@ -21,20 +21,14 @@ if __name__ == "__main__" and not __package__:  # run by path: see benchmarks/__
 
 import argparse
 import json
-import statistics
-import time
+
+from benchmarks import harness
 
 
-def _time_ms(fn, *args, calls=5):
-    import jax
-
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def _time_ms(fn, *args):
+    """Median of 5 single calls, each waited for, after one warm-up (compile) call."""
+    return harness.time_calls(fn, (args,), reps=5, calls=1,
+                              sync=harness.block_jax).seconds * 1e3
 
 
 def main(argv=None):

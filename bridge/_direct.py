@@ -165,6 +165,12 @@ def _launcher(kernel, operands, device):
     return launcher
 
 
+def _ids_struct(size: int, wide: bool):
+    """The target operand of a window of `size` rows: int32 ids, or (`wide`) int64 ids
+    read as their two int32 words each."""
+    return (size * (1 + wide), "int32")
+
+
 class _WindowForward:
     """One window size's forward: its kernels, their operands, and the layout of the
     one float32 buffer they write -- the finish outputs (rows of `padded`), then the
@@ -181,7 +187,7 @@ class _WindowForward:
         chunks, padded = sizes["chunks"], sizes["padded"]
         num_outs = sizes["num_finish"]
         big = [(size, num_vocab, dtype)] + [(size, num_vocab, "uint8")] * masked  # bool
-        ids = (size * (1 + wide), "int32")  # wide: int64 ids as int32 word pairs
+        ids = _ids_struct(size, wide)
         common = dict(masked=masked, with_entropy=with_entropy, inv_tau=inv_tau,
                       wide_targets=wide, config=config)
         self.out_offsets = [k * padded * 4 for k in range(num_outs)]
@@ -226,7 +232,7 @@ def _backward_operands(size, num_vocab, dtype, masked, wide, num_saved,
 
     padded = md.padded_rows(size)
     return ([(size, num_vocab, dtype)] + [(size, num_vocab, "uint8")] * masked
-            + [(size * (1 + wide), "int32")] + [(padded, "float32")] * num_saved
+            + [_ids_struct(size, wide)] + [(padded, "float32")] * num_saved
             + [(size, "float32")] * num_cotangents + [(size, num_vocab, dtype)])
 
 

@@ -84,6 +84,13 @@ def _mosaic_usable() -> bool:
         "TilingTransform", "copy_gmem_to_smem", "CompilerParams"))
 
 
+def mosaic_available() -> bool:
+    """Whether this process's first GPU and this JAX run the Mosaic GPU kernels
+    (compute capability 9.0+, `_mosaic_usable`)."""
+    found = _first_gpu_capability()
+    return found is not None and found[1] >= (9, 0) and _mosaic_usable()
+
+
 def pallas_backend(num_vocab: int, itemsize: int, mask_dtype, capability,
                    mosaic_usable: bool = True, num_tokens: int | None = None) -> str:
     """The Pallas backend "pallas" means for one call on a GPU: "pallas_mosaic" or

@@ -92,11 +92,13 @@ def _vary_like(x, *like):
     return pcast(x, missing, to="varying") if pcast else lax.pvary(x, missing)
 
 
-def _over_columns(body, carry, weight, keep_mask, local_targets, chunk: int):
+def _over_columns(body, carry, weight, keep_mask, local_targets, chunk: int,
+                  tail_first: bool = False):
     """carry = body(carry, start, weight_c [C, H], mask_c [T, C] or None, targets_c [T])
     over vocabulary chunks of `chunk` columns: a scan over the full chunks, then the
-    shorter tail (nothing padded). `targets_c` are the local targets shifted to the
-    chunk (outside [0, C): the target is in another chunk, as for another shard)."""
+    shorter tail (nothing padded), or the tail first with `tail_first`. `targets_c` are
+    the local targets shifted to the chunk (outside [0, C): the target is in another
+    chunk, as for another shard)."""
     num_vocab = weight.shape[0]
     num_full, tail = divmod(num_vocab, chunk)
 
@@ -110,10 +112,12 @@ def _over_columns(body, carry, weight, keep_mask, local_targets, chunk: int):
             mask_c = None if keep_mask is None else keep_mask[:, start:start + size]
         return body(carry, start, weight_c, mask_c, local_targets - start)
 
+    if tail and tail_first:
+        carry = run(carry, num_full * chunk, tail, False)
     if num_full:
         carry, _ = lax.scan(lambda c, i: (run(c, i * chunk, chunk, True), None),
                             carry, jnp.arange(num_full, dtype=jnp.int32))
-    if tail:
+    if tail and not tail_first:
         carry = run(carry, num_full * chunk, tail, False)
     return carry
 
@@ -156,11 +160,18 @@ def _empty_stats(num_tokens, with_entropy, masked, like) -> LocalStats:
                       masked_sum_exp=zero if masked else None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
 def _linear_local_stats(hidden, weight, local_targets, keep_mask, inv_tau, with_entropy,
-                        entropy_grad, implementation, config, chunk):
-    """`stats.local_stats(hidden @ weight.T, ...)`, vocabulary chunk by chunk."""
+                        entropy_grad, implementation, config, chunk, fused_forward=False):
+    """`stats.local_stats(hidden @ weight.T, ...)`, vocabulary chunk by chunk, or with
+    `fused_forward` in one Mosaic GPU kernel (`linear_mosaic`, no keep mask)."""
     del entropy_grad
+    if fused_forward:
+        from jaxops import linear_mosaic
+
+        return linear_mosaic.forward_stats(
+            hidden, weight, local_targets, inv_tau=inv_tau, with_entropy=with_entropy,
+            interpret=bool(getattr(config, "interpret", False)))
     kernels = implementations.kernels(implementation)
 
     def body(acc, start, weight_c, mask_c, targets_c):
@@ -175,9 +186,10 @@ def _linear_local_stats(hidden, weight, local_targets, keep_mask, inv_tau, with_
 
 
 def _linear_local_stats_fwd(hidden, weight, local_targets, keep_mask, inv_tau, with_entropy,
-                            entropy_grad, implementation, config, chunk):
+                            entropy_grad, implementation, config, chunk, fused_forward=False):
     stats = _linear_local_stats(hidden, weight, local_targets, keep_mask, inv_tau,
-                                with_entropy, entropy_grad, implementation, config, chunk)
+                                with_entropy, entropy_grad, implementation, config, chunk,
+                                fused_forward)
     residuals = (hidden, weight, local_targets, keep_mask, stats.max_logit, stats.masked_max)
     return stats, residuals
 
@@ -224,20 +236,29 @@ def chunked_backward(hidden, weight, local_targets, keep_mask, max_logit, masked
         if d_hidden is not None:
             d_hidden = d_hidden + _dot(d_logits, weight_c, ((1,), (0,)), acc)
         if out_weight is not None:
-            rows = _dot(d_logits, hidden, ((0,), (0,)), acc)  # [C, H]
+            # [C, H] in fp32, rounded once. (A dot with a bf16 result would save the fp32
+            # temporary, but XLA may then sum in bf16: on the H200 it did at T = 7, H = 1,
+            # 0.4% off; and the fp32-accumulation algorithm that forbids it is rejected by
+            # XLA's CPU emitter at such shapes. benchmarks/NOTES.md, session 16.)
+            rows = _dot(d_logits, hidden, ((0,), (0,)), acc)
             if accumulate:
                 rows = rows + lax.dynamic_slice_in_dim(out_weight, start, rows.shape[0], 0)
             out_weight = lax.dynamic_update_slice_in_dim(
                 out_weight, rows.astype(out_weight.dtype), start, 0)
         return d_hidden, out_weight
 
+    # The narrower tail chunk first: its d hidden product then becomes the accumulator
+    # (zeros + x folds away) and the scan's adds fuse into their GEMMs. Last, the tail's
+    # add fused with the final rounding instead, and its GEMM wrote a second fp32
+    # [T, H] array (512 MiB at T = 16,384, H = 8192: benchmarks/NOTES.md, session 16).
     d_hidden, out_weight = _over_columns(body, (d_hidden, out_weight), weight, keep_mask,
-                                         local_targets, chunk)
+                                         local_targets, chunk, tail_first=True)
     return (None if d_hidden is None else d_hidden.astype(hidden.dtype)), out_weight
 
 
 def _linear_local_stats_bwd(inv_tau, with_entropy, entropy_grad, implementation, config,
-                            chunk, residuals, cotangents):
+                            chunk, fused_forward, residuals, cotangents):
+    del fused_forward  # the backward is chunked either way
     hidden, weight, local_targets, keep_mask, max_logit, masked_max = residuals
     coefs = backward_coefs(cotangents, with_entropy and entropy_grad, keep_mask is not None)
     d_hidden, d_weight = chunked_backward(
@@ -248,6 +269,24 @@ def _linear_local_stats_bwd(inv_tau, with_entropy, entropy_grad, implementation,
 
 
 _linear_local_stats.defvjp(_linear_local_stats_fwd, _linear_local_stats_bwd)
+
+
+def _fused_forward(impl, config, pallas_config, num_tokens, hidden_size, num_vocab, dtype,
+                   masked) -> bool:
+    """Whether the forward runs as one Mosaic GPU kernel (`linear_mosaic`): for "pallas"
+    on a Hopper+ GPU (or for "pallas_mosaic", also in interpret mode off-GPU) at the
+    shapes `linear_mosaic.applies` takes. A `PallasConfig` (the Triton kernels'
+    parameters) keeps the chunked forward."""
+    if impl == "pallas":
+        wants = (not config.interpret and not isinstance(pallas_config, PallasConfig)
+                 and implementations.mosaic_available())
+    else:
+        wants = impl == "pallas_mosaic"
+    if not wants:
+        return False
+    from jaxops import linear_mosaic
+
+    return linear_mosaic.applies(num_tokens, hidden_size, num_vocab, dtype, masked)
 
 
 def _check_linear(hidden, weight, chunk_size, implementation):
@@ -346,6 +385,8 @@ def linear_logprob_entropy(
 
     num_tokens = int(np.prod(lead_shape))
     chunk = chunk_columns(num_tokens, num_vocab, chunk_size)
+    fused_forward = _fused_forward(impl, config, pallas_config, num_tokens, hidden.shape[-1],
+                                   num_vocab, hidden.dtype, keep_mask is not None)
     # The kernels read one chunk's fp32 logits [T, chunk] at a time, and the keep mask as
     # bool (below), whatever its dtype here: "pallas" picks its backend for those.
     impl, config = implementations.for_call(
@@ -373,7 +414,7 @@ def linear_logprob_entropy(
                                              local_targets, flat_mask)
         stats = _linear_local_stats(flat_hidden, weight, local_targets, flat_mask, 1.0 / tau,
                                     bool(with_entropy), bool(entropy_grad), impl, config,
-                                    chunk)
+                                    chunk, fused_forward)
         log_prob, entropy = combine(stats, targets_valid, entropy_grad=bool(entropy_grad),
                                     axis_name=axis_name)
 

@@ -450,16 +450,17 @@ def test_linear_chunks_tiny_run(tmp_path):
 
 
 def test_fused_head_probe_interpret_matches_xla():
-    """The fused-head prototype (benchmarks/fused_head_probe.py) in Mosaic GPU's interpreter
-    gives the XLA statistics of hidden @ weight.T (it exits 1 beyond 1e-4)."""
+    """The fused head's forward probe (benchmarks/fused_head_probe.py) in Mosaic GPU's
+    interpreter gives the XLA statistics of hidden @ weight.T (it exits 1 beyond 1e-4)."""
     out = _run("-m", "benchmarks.fused_head_probe", timeout=300)
     assert out.count("max relative error") == 4
 
 
-@pytest.mark.parametrize("block_n", [64, 128, 256])
-def test_fused_head_probe_lowers_for_cuda(block_n):
-    """Its GPU path (wgmma on a transposed weight tile, which the interpreter cannot run)
-    lowers for CUDA: Mosaic GPU checks layouts, transforms and TMA descriptors there."""
+@pytest.mark.parametrize("block_n,grid_order", [(64, "chunks,rows"), (128, "chunks,rows"),
+                                                (256, "rows,chunks")])
+def test_fused_head_probe_lowers_for_cuda(block_n, grid_order):
+    """The probe's variants of the kernel (the default is 256 columns, grid (chunks, rows))
+    lower for CUDA: Mosaic GPU checks layouts, transforms and TMA descriptors there."""
     import functools
 
     import jax
@@ -469,7 +470,7 @@ def test_fused_head_probe_lowers_for_cuda(block_n):
 
     S = jax.ShapeDtypeStruct
     f = functools.partial(fused_forward_stats, inv_tau=1 / 0.7, with_entropy=True,
-                          block_n=block_n)
+                          block_n=block_n, grid_order=grid_order)
     text = jax.jit(f).trace(S((4096, 4096), jnp.bfloat16), S((151936, 4096), jnp.bfloat16),
                             S((4096,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text

@@ -21,16 +21,24 @@ from jaxops.linear import chunk_columns
 
 @_cached
 def local_forward(*, shard_index, world, inv_tau, with_entropy, masked, implementation,
-                  config, target_mode, chunk_size):
-    """world == 1: (outputs [n_out, b], stats [1, K, b]); else this shard's stats [K, b]."""
+                  config, target_mode, chunk_size, fused_wanted=False):
+    """world == 1: (outputs [n_out, b], stats [1, K, b]); else this shard's stats [K, b].
+    `fused_wanted` (`jaxops.linear.fused_forward_wanted`): the fused forward kernel for
+    the window sizes it applies to, decided per window size in the trace."""
 
     def fn(hidden, weight, raw_targets, keep_mask):
         targets = decode_targets(raw_targets, target_mode)
         chunk = chunk_columns(hidden.shape[0], weight.shape[0], chunk_size)
+        fused = False
+        if fused_wanted:
+            from jaxops import linear_mosaic
+
+            fused = linear_mosaic.applies(hidden.shape[0], hidden.shape[1], weight.shape[0],
+                                          hidden.dtype, masked)
         packed = linear_staged.local_forward(
             hidden, weight, targets, keep_mask if masked else None, shard_index,
             inv_tau=inv_tau, with_entropy=with_entropy, implementation=implementation,
-            config=config, chunk=chunk)
+            config=config, chunk=chunk, fused_forward=fused)
         if world > 1:
             return packed
         gathered = packed[None]

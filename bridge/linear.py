@@ -4,7 +4,9 @@
 JAX computes them `chunk_size` vocabulary columns at a time from DLPack views of torch's
 `hidden` and `weight` (`jaxops/linear_staged.py`, `jaxops/linear.py`), folds them into the
 row statistics and drops them; the backward recomputes each chunk and contracts its
-`d logits` into `d hidden` and `d weight` (docs/design.md §10).
+`d logits` into `d hidden` and `d weight` (docs/design.md §10). The forward of a window
+runs as one fused Mosaic GPU kernel where `jaxops.linear_logprob_entropy`'s would (the
+default "pallas" on Hopper+, bf16/fp16, no mask, window rows <= 4096: `linear_mosaic.py`).
 
 Data flow of one call (R ranks, K packed statistics per token, row windows w of a few
 power-of-two sizes as in `_run.py` / `_windows.py`):
@@ -56,8 +58,8 @@ from bridge._jaxfns import combine as combine_fn
 from bridge._run import IMPLEMENTATIONS, check_shareable
 from bridge._windows import row_align, row_windows
 from bridge.op import LOGIT_DTYPES, _check_flag, _check_tensor, _group_info, _inv_temperature
-from jaxops import staged
-from jaxops.linear import chunk_columns
+from jaxops import implementations, staged
+from jaxops.linear import chunk_columns, fused_forward_wanted
 
 __all__ = ["linear_logprob_entropy"]
 
@@ -164,7 +166,8 @@ class Plan:
     """One call's torch inputs on one device, cut into row windows (torch views)."""
 
     __slots__ = ("dev", "hidden", "weight", "mask", "raw_targets", "target_mode", "words",
-                 "windows", "implementation", "config", "num_tokens", "num_vocab")
+                 "windows", "implementation", "config", "num_tokens", "num_vocab",
+                 "fused_wanted")
 
     def __init__(self, hidden, weight, targets, keep_mask, implementation, chunk_size=None):
         dev = self.dev = _dlpack.device(hidden.device)
@@ -178,6 +181,10 @@ class Plan:
         self.implementation, self.config = _run.implementation_for(
             implementation, dev, num_vocab=chunk, itemsize=4,
             mask_dtype=None if keep_mask is None else np.bool_)
+        # The fused forward kernel as the JAX op takes it (its own config only names the
+        # chunks' kernels); each window size then checks its shapes.
+        self.fused_wanted = fused_forward_wanted(*implementations.resolve(
+            implementation or None, "cuda" if dev.cuda else "cpu"))
         self.num_tokens, self.num_vocab = hidden.shape[0], weight.shape[0]
         # Every window must start aligned in hidden and in the mask; both alignments
         # are powers of two, so the larger serves both.
@@ -216,7 +223,7 @@ def forward(plan: Plan, inv_tau, with_entropy, chunk_size, group_name, rank, wor
     fn = _linear_jaxfns.local_forward(
         shard_index=rank, world=world, inv_tau=inv_tau, with_entropy=with_entropy,
         masked=masked, implementation=plan.implementation, config=plan.config,
-        target_mode=plan.target_mode, chunk_size=chunk_size)
+        target_mode=plan.target_mode, chunk_size=chunk_size, fused_wanted=plan.fused_wanted)
     inputs = [plan.window_inputs(w) for w in plan.windows]
     xfer = plan.dev.begin()
     j_weight = xfer.to_jax(plan.weight)  # the first import: an input of the first window

@@ -8,8 +8,11 @@ inside the custom VJP:
   forward   for each chunk of columns c: logits_c = hidden @ weight_c.T `[T, C]` (fp32
             accumulation), the implementation's `forward_stats(logits_c)`, merged into
             the running O(T) row statistics (an online log-sum-exp over chunks, the
-            same merge as over vocabulary shards).
-  backward  for each chunk: recompute logits_c, `backward_logits` -> d logits_c, then
+            same merge as over vocabulary shards). On Hopper+ GPUs, for T <= 4096 and
+            no keep mask, instead one Mosaic GPU kernel that folds each wgmma tile of
+            logits into the statistics in registers (`linear_mosaic.py`; no chunk of
+            logits in HBM at all).
+  backward  for each chunk (the narrower tail chunk first): recompute logits_c, `backward_logits` -> d logits_c, then
             d weight_c = d logits_c^T @ hidden (complete: one GEMM over all T, written
             once) and d hidden += d logits_c @ weight_c (an fp32 `[T, H]` accumulator).
 
@@ -271,18 +274,22 @@ def _linear_local_stats_bwd(inv_tau, with_entropy, entropy_grad, implementation,
 _linear_local_stats.defvjp(_linear_local_stats_fwd, _linear_local_stats_bwd)
 
 
+def fused_forward_wanted(impl: str, config, pallas_config=None) -> bool:
+    """Whether a call resolved to `impl` (with `config`, from `implementations.resolve`)
+    asks for the fused forward kernel (`linear_mosaic`) where its shapes allow: "pallas"
+    on a Hopper+ GPU, and "pallas_mosaic" (also in interpret mode off-GPU). A
+    `pallas_config` that is a `PallasConfig` (the Triton kernels' parameters) keeps
+    the chunked forward."""
+    if impl == "pallas":
+        return (not config.interpret and not isinstance(pallas_config, PallasConfig)
+                and implementations.mosaic_available())
+    return impl == "pallas_mosaic"
+
+
 def _fused_forward(impl, config, pallas_config, num_tokens, hidden_size, num_vocab, dtype,
                    masked) -> bool:
-    """Whether the forward runs as one Mosaic GPU kernel (`linear_mosaic`): for "pallas"
-    on a Hopper+ GPU (or for "pallas_mosaic", also in interpret mode off-GPU) at the
-    shapes `linear_mosaic.applies` takes. A `PallasConfig` (the Triton kernels'
-    parameters) keeps the chunked forward."""
-    if impl == "pallas":
-        wants = (not config.interpret and not isinstance(pallas_config, PallasConfig)
-                 and implementations.mosaic_available())
-    else:
-        wants = impl == "pallas_mosaic"
-    if not wants:
+    """`fused_forward_wanted` and `linear_mosaic.applies` to this call's shapes."""
+    if not fused_forward_wanted(impl, config, pallas_config):
         return False
     from jaxops import linear_mosaic
 
@@ -345,7 +352,11 @@ def linear_logprob_entropy(
       axis_name: inside `shard_map` over the vocabulary, the mesh axis it is split over.
       implementation: None, "xla" or "pallas" pick the statistics kernels run on each
         chunk; "reference" forms the full logits and runs the reference op (the oracle;
-        unsharded, float64-capable).
+        unsharded, float64-capable). "pallas" on a Hopper+ GPU (and "pallas_mosaic")
+        run the forward as one fused GEMM + statistics kernel where
+        `linear_mosaic.applies` (bf16/fp16, no keep mask, T a multiple of 8 and at most
+        4096, H a multiple of 64, hidden at most 64 MiB: where it was measured faster);
+        a Triton `PallasConfig` keeps the chunked forward.
       chunk_size: vocabulary columns per chunk (any int >= 1; it need not divide
         V_loc). None: `default_chunk_size(T, V_loc)`: fp32 `[T, chunk]` logits of at
         most 1/24 of the bf16 logits' bytes (at least 64 MiB), 128-column aligned.
@@ -356,7 +367,8 @@ def linear_logprob_entropy(
       rounded once).
 
     Memory beyond the inputs, outputs and gradients: one chunk of fp32 logits and its
-    gradient in the inputs' dtype, `T * chunk_size * 6` bytes for bf16 (8 for fp32),
+    gradient in the inputs' dtype, `T * chunk_size * 6` bytes for bf16 (8 for fp32;
+    the fused forward holds no chunk, only O(T * V_loc / 2048) partial statistics),
     plus the fp32 `d hidden` accumulator `T * H * 4` and O(T) floats of statistics;
     never `[T, V_loc]`. With the default chunk (at T * V_loc * 2 / 24 >= 64 MiB) that
     is under 1/16 of the bf16 logits' size plus `T * H * 4`.

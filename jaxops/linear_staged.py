@@ -30,12 +30,15 @@ from jaxops.staged import _local_targets, _pack, shard_cotangents
 
 def local_forward(hidden, weight, targets, keep_mask, shard_index, *, inv_tau: float,
                   with_entropy: bool, implementation: str, config: PallasConfig | None,
-                  chunk: int) -> jax.Array:
+                  chunk: int, fused_forward: bool = False) -> jax.Array:
     """This shard's statistics of `hidden [T, H] @ weight [V_loc, H]^T`, packed as
-    `[K, T]` float32 (`staged.num_packed`). `targets [T]` are global ids."""
+    `[K, T]` float32 (`staged.num_packed`). `targets [T]` are global ids.
+    `fused_forward`: in one Mosaic GPU kernel (`linear_mosaic`; the caller checks that
+    it applies), else chunked."""
     local_targets = _local_targets(targets, shard_index, weight.shape[0])
     stats = _linear_local_stats(hidden, weight, local_targets, keep_mask, inv_tau,
-                                with_entropy, True, implementation, config, chunk)
+                                with_entropy, True, implementation, config, chunk,
+                                fused_forward)
     return _pack(stats, with_entropy, keep_mask is not None)
 
 

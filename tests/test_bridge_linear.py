@@ -419,3 +419,28 @@ def test_plan_picks_the_backend_for_the_chunks(backend_choices):
         blinear.Plan(hidden, weight, y, None, "", chunk_size)
         assert (backend_choices[-1]["num_vocab"], backend_choices[-1]["itemsize"]) == (
             width, 4)
+
+
+def test_fused_forward_in_interpret_mode(monkeypatch):
+    """"pallas_mosaic" runs each window's forward as the fused kernel (`linear_mosaic`,
+    Mosaic GPU's interpreter here) where its shapes allow, as the JAX op does: values
+    and gradients against float64, and the kernel traced once per window size."""
+    from jaxops import linear_mosaic
+
+    calls = []
+    real = linear_mosaic.forward_stats
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(linear_mosaic, "forward_stats", counted)
+    _linear_jaxfns.local_forward.cache_clear()  # trace afresh, with the counting kernel
+    check(*make(16, 64, 200, torch.bfloat16, seed=3), temperature=0.8, chunk_size=64,
+          implementation="pallas_mosaic")
+    assert calls == [(16, 64)], calls
+    calls.clear()  # a mask keeps the chunked forward
+    check(*make(16, 64, 208, torch.bfloat16, masked=True, seed=4), chunk_size=64,
+          implementation="pallas_mosaic")
+    assert calls == []
+    _linear_jaxfns.local_forward.cache_clear()

@@ -86,3 +86,20 @@ def check_linear(label, got, data, dtype, *, temperature, with_entropy, entropy_
                               floor=scale * float(np.abs(data["weight"]).max())),
             assert_grad_close(d_weight, dw64, dtype, max_abs_x=max_x, name=f"{label}: d weight",
                               floor=scale * float(np.abs(data["hidden"]).max(initial=0.0))))
+
+
+def count_fused_forward(monkeypatch) -> list:
+    """Patch `linear_mosaic.forward_stats` (the fused forward kernel) to record the
+    hidden shape of each call it is traced with; returns that list. Callers clear the
+    caches of the jitted functions under test, so that they trace afresh."""
+    from jaxops import linear_mosaic
+
+    calls = []
+    real = linear_mosaic.forward_stats
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(linear_mosaic, "forward_stats", counted)
+    return calls

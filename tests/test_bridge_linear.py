@@ -18,6 +18,7 @@ from bridge import linear as blinear
 
 import _bridge_linear_worker as W
 import _bridge_scenarios as S
+from _linear_cases import count_fused_forward
 from _oracle import VALUE_RTOL, grad_rtol
 
 CPU = torch.device("cpu")
@@ -426,16 +427,7 @@ def test_fused_forward_in_interpret_mode(monkeypatch):
     """"pallas_mosaic" runs each window's forward as the fused kernel (`linear_mosaic`,
     Mosaic GPU's interpreter here) where its shapes allow, as the JAX op does: values
     and gradients against float64, and the kernel traced once per window size."""
-    from jaxops import linear_mosaic
-
-    calls = []
-    real = linear_mosaic.forward_stats
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(linear_mosaic, "forward_stats", counted)
+    calls = count_fused_forward(monkeypatch)
     _linear_jaxfns.local_forward.cache_clear()  # trace afresh, with the counting kernel
     check(*make(16, 64, 200, torch.bfloat16, seed=3), temperature=0.8, chunk_size=64,
           implementation="pallas_mosaic")

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 import jaxops
 from jaxops.linear import default_chunk_size
 
-from _linear_cases import check_linear, make_linear_inputs
+from _linear_cases import check_linear, count_fused_forward, make_linear_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
@@ -132,16 +132,7 @@ def test_pallas_interpret_against_float64(implementation, num_vocab, dtype, mask
 @pytest.fixture
 def fused_forward_calls(monkeypatch):
     """Counts the traced calls of the fused forward kernel (`linear_mosaic.forward_stats`)."""
-    from jaxops import linear_mosaic
-
-    calls = []
-    real = linear_mosaic.forward_stats
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(linear_mosaic, "forward_stats", counted)
+    calls = count_fused_forward(monkeypatch)
     _vjp_jit.clear_cache()
     yield calls
     _vjp_jit.clear_cache()

@@ -5,8 +5,9 @@
         # GPU: against XLA, then timed next to the bf16 GEMM, the op's chunked forward
         # and its default forward, and per tile/pipeline/grid variant of the kernel
 
-Each variant is `block_n,block_k,num_stages[,rc|cr[,chunk_v]]`: rc = grid (rows, chunks),
-cr = grid (chunks, rows) (the kernel's default). Times: one warm-up call, then the mean
+Each variant is `block_n,block_k,num_stages[,rc|cr[,chunk_v[,row_group]]]`: rc = grid
+(rows, chunks), cr = grid (chunks, rows) (the kernel's default); row_group: one launch per
+that many rows (0: one launch), e.g. `256,64,4,cr,2048,4096` at `--shape 16384,4096`. Times: one warm-up call, then the mean
 of 5 calls back to back (harness.time_calls); V = 151,936, bf16, temperature 0.7.
 Session 16's runs on the H200 are in benchmarks/NOTES.md.
 """
@@ -35,7 +36,8 @@ def main(argv=None):
     parser.add_argument("--gpu", action="store_true")
     parser.add_argument("--variants", default="256,64,4,cr;256,64,4,rc;128,64,4,cr",
                         help="';'-separated block_n,block_k,num_stages[,grid order: "
-                        "rc = (rows, chunks) or cr = (chunks, rows)[,chunk_v]] to time (--gpu)")
+                        "rc = (rows, chunks) or cr = (chunks, rows)[,chunk_v[,row_group "
+                        "(0: none)]]] to time (--gpu)")
     parser.add_argument("--shape", default="4096,4096", help="T,H (--gpu; V = 151,936)")
     args = parser.parse_args(argv)
     interpret = not args.gpu
@@ -78,11 +80,12 @@ def main(argv=None):
     for variant in filter(None, args.variants.split(";")):
         block_n, block_k, num_stages, *rest = variant.split(",")
         block_n, block_k, num_stages = int(block_n), int(block_k), int(num_stages)
-        order, chunk_v = (rest + ["cr", "2048"][len(rest):])[:2]
+        order, chunk_v, row_group = (rest + ["cr", "2048", "0"][len(rest):])[:3]
         grid_order = {"rc": "rows,chunks", "cr": "chunks,rows"}[order]
         f = jax.jit(functools.partial(fused_forward_stats, inv_tau=1 / tau, with_entropy=True,
                                       block_n=block_n, block_k=block_k, chunk_v=int(chunk_v),
-                                      num_stages=num_stages, grid_order=grid_order))
+                                      num_stages=num_stages, grid_order=grid_order,
+                                      row_group=int(row_group) or None))
         try:
             got = f(h, w, y)
             err = max(float(np.max(np.abs(np.asarray(getattr(got, n)) - np.asarray(
@@ -92,7 +95,7 @@ def main(argv=None):
         except Exception as exc:  # a variant that does not compile is a result too
             t = f"failed: {type(exc).__name__}: {str(exc)[:200]}"
         print(f"fused forward block_n={block_n} block_k={block_k} stages={num_stages} "
-              f"grid=({grid_order}) chunk_v={chunk_v} ms",
+              f"grid=({grid_order}) chunk_v={chunk_v} row_group={row_group} ms",
               t, flush=True)
     return 0 if worst < 1e-4 else 1
 

@@ -64,18 +64,34 @@ def applies(num_tokens: int, hidden_size: int, num_vocab: int, dtype, masked: bo
 def forward_stats(hidden, weight, local_targets, *, inv_tau: float, with_entropy: bool,
                   interpret: bool = False, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
                   chunk_v: int = CHUNK_V, num_stages: int = NUM_STAGES,
-                  grid_order: str = "chunks,rows") -> LocalStats:
+                  grid_order: str = "chunks,rows", row_group: int | None = None
+                  ) -> LocalStats:
     """`LocalStats` of logits = hidden @ weight.T (fp32 accumulation), no keep mask.
 
     hidden `[T, H]`, weight `[V_loc, H]` (bf16 or fp16, T a multiple of 8, H of block_k),
     local_targets `[T]` int32 shard-local ids (outside [0, V_loc): not on this shard).
     `grid_order` "rows,chunks" exists for the probe's comparison only (see above).
+    `row_group` (a multiple of 64; tuning, for the probe: not measured yet): one kernel
+    launch per group of that many rows. A row's statistics need no other row, and the
+    64-row blocks are the same, so the results are bitwise those of one launch.
 
     In interpret mode (CPU tests) the tile comes from a jnp dot instead of wgmma: the
     interpreter's wgmma takes no transposed operand. The CPU thus checks the tiling, the
     chunking and the statistics; the wgmma path is checked on the GPU."""
     num_tokens, hidden_size = hidden.shape
     num_vocab = weight.shape[0]
+    if row_group is not None and num_tokens > row_group:
+        if row_group % _ROWS:
+            raise ValueError(f"row_group must be a multiple of {_ROWS}, got {row_group}")
+        parts = [forward_stats(hidden[start:start + row_group], weight,
+                               local_targets[start:start + row_group], inv_tau=inv_tau,
+                               with_entropy=with_entropy, interpret=interpret,
+                               block_n=block_n, block_k=block_k, chunk_v=chunk_v,
+                               num_stages=num_stages, grid_order=grid_order)
+                 for start in range(0, num_tokens, row_group)]
+        return LocalStats(*(None if parts[0][i] is None
+                            else jnp.concatenate([p[i] for p in parts])
+                            for i in range(len(parts[0]))))
     if hidden_size % block_k or num_tokens % 8:
         raise ValueError(f"fused forward: T % 8 and H % {block_k} must be 0, got hidden "
                          f"{hidden.shape}")

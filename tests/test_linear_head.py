@@ -196,6 +196,30 @@ def test_fused_forward_choice(monkeypatch):
     assert not _fused_forward("pallas", on_gpu, None, 4096, 4096, 151936, BF16, False)
 
 
+def test_fused_forward_row_groups_are_bitwise_one_launch():
+    """`row_group` (one launch per group of rows) gives bitwise the statistics of one
+    launch: rows are independent and the 64-row blocks are the same."""
+    from jaxops import linear_mosaic
+
+    k = jax.random.split(jax.random.key(7), 3)
+    hidden = jax.random.normal(k[0], (200, 64), F32).astype(BF16)  # 200 = 3 x 64 + 8
+    weight = (jax.random.normal(k[1], (600, 64), F32) / 8).astype(BF16)
+    targets = jax.random.randint(k[2], (200,), -3, 603)
+
+    def run(row_group):
+        return jax.jit(lambda h, w, y: linear_mosaic.forward_stats(
+            h, w, y, inv_tau=1 / 0.7, with_entropy=True, interpret=True,
+            row_group=row_group))(hidden, weight, targets)
+
+    whole, grouped = run(None), run(64)
+    for name in ("max_logit", "sum_exp", "sum_exp_shifted", "target_logit"):
+        a, b = np.asarray(getattr(whole, name)), np.asarray(getattr(grouped, name))
+        assert a.shape == (200,) and np.array_equal(a, b), name
+    with pytest.raises(ValueError, match="multiple of 64"):
+        linear_mosaic.forward_stats(hidden, weight, targets, inv_tau=1.0, with_entropy=True,
+                                    interpret=True, row_group=100)
+
+
 @pytest.mark.parametrize("dtype", [BF16, F16])
 def test_fused_forward_lowers_for_cuda(dtype):
     """The fused forward's GPU path (wgmma on a transposed weight tile, which the

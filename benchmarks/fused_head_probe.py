@@ -25,10 +25,16 @@ import jax.numpy as jnp
 from jaxops.linear_mosaic import forward_stats as fused_forward_stats
 
 
+def relative_error(got, want, name) -> float:
+    """Largest |got - want| / (|want| + 1e-6) of one `LocalStats` field."""
+    import numpy as np
+
+    a, b = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))
+    return float(np.max(np.abs(a - b) / (np.abs(b) + 1e-6)))
+
+
 def main(argv=None):
     import argparse
-
-    import numpy as np
 
     from jaxops import xla
 
@@ -55,8 +61,7 @@ def main(argv=None):
     want = xla.forward_stats(logits, y, None, inv_tau=1 / tau, with_entropy=True)
     worst = 0.0
     for name in ("max_logit", "sum_exp", "sum_exp_shifted", "target_logit"):
-        a, b = np.asarray(getattr(got, name)), np.asarray(getattr(want, name))
-        err = float(np.max(np.abs(a - b) / (np.abs(b) + 1e-6)))
+        err = relative_error(got, want, name)
         worst = max(worst, err)
         print(f"{name}: max relative error {err:.2e}", flush=True)
     if interpret:
@@ -88,9 +93,8 @@ def main(argv=None):
                                       row_group=int(row_group) or None))
         try:
             got = f(h, w, y)
-            err = max(float(np.max(np.abs(np.asarray(getattr(got, n)) - np.asarray(
-                getattr(want, n))) / (np.abs(np.asarray(getattr(want, n))) + 1e-6)))
-                for n in ("max_logit", "sum_exp", "target_logit"))
+            err = max(relative_error(got, want, n)
+                      for n in ("max_logit", "sum_exp", "target_logit"))
             t = f"{ms(f, h, w, y):.3f} (max relative error {err:.1e})"
         except Exception as exc:  # a variant that does not compile is a result too
             t = f"failed: {type(exc).__name__}: {str(exc)[:200]}"

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from bridge._jaxfns import _cached, _pack_outputs, decode_targets
 from jaxops import linear_staged, staged
-from jaxops.linear import chunk_columns
+from jaxops.linear import chunk_columns, fused_forward_fits
 
 
 @_cached
@@ -29,12 +29,8 @@ def local_forward(*, shard_index, world, inv_tau, with_entropy, masked, implemen
     def fn(hidden, weight, raw_targets, keep_mask):
         targets = decode_targets(raw_targets, target_mode)
         chunk = chunk_columns(hidden.shape[0], weight.shape[0], chunk_size)
-        fused = False
-        if fused_wanted:
-            from jaxops import linear_mosaic
-
-            fused = linear_mosaic.applies(hidden.shape[0], hidden.shape[1], weight.shape[0],
-                                          hidden.dtype, masked)
+        fused = fused_wanted and fused_forward_fits(
+            hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.dtype, masked)
         packed = linear_staged.local_forward(
             hidden, weight, targets, keep_mask if masked else None, shard_index,
             inv_tau=inv_tau, with_entropy=with_entropy, implementation=implementation,

@@ -12,8 +12,8 @@ inside the custom VJP:
             no keep mask, instead one Mosaic GPU kernel that folds each wgmma tile of
             logits into the statistics in registers (`linear_mosaic.py`; no chunk of
             logits in HBM at all).
-  backward  for each chunk (the narrower tail chunk first): recompute logits_c, `backward_logits` -> d logits_c, then
-            d weight_c = d logits_c^T @ hidden (complete: one GEMM over all T, written
+  backward  for each chunk (the narrower tail chunk first): recompute logits_c,
+            `backward_logits` -> d logits_c, then d weight_c = d logits_c^T @ hidden (complete: one GEMM over all T, written
             once) and d hidden += d logits_c @ weight_c (an fp32 `[T, H]` accumulator).
 
 Why chunks of the vocabulary rather than of the tokens: a token chunk re-reads the
@@ -286,14 +286,18 @@ def fused_forward_wanted(impl: str, config, pallas_config=None) -> bool:
     return impl == "pallas_mosaic"
 
 
-def _fused_forward(impl, config, pallas_config, num_tokens, hidden_size, num_vocab, dtype,
-                   masked) -> bool:
-    """`fused_forward_wanted` and `linear_mosaic.applies` to this call's shapes."""
-    if not fused_forward_wanted(impl, config, pallas_config):
-        return False
+def fused_forward_fits(num_tokens, hidden_size, num_vocab, dtype, masked) -> bool:
+    """`linear_mosaic.applies`, imported on first use (it loads Mosaic GPU's Pallas)."""
     from jaxops import linear_mosaic
 
     return linear_mosaic.applies(num_tokens, hidden_size, num_vocab, dtype, masked)
+
+
+def _fused_forward(impl, config, pallas_config, num_tokens, hidden_size, num_vocab, dtype,
+                   masked) -> bool:
+    """`fused_forward_wanted` and `fused_forward_fits` this call's shapes."""
+    return (fused_forward_wanted(impl, config, pallas_config)
+            and fused_forward_fits(num_tokens, hidden_size, num_vocab, dtype, masked))
 
 
 def _check_linear(hidden, weight, chunk_size, implementation):

@@ -89,9 +89,7 @@ def forward_stats(hidden, weight, local_targets, *, inv_tau: float, with_entropy
                                block_n=block_n, block_k=block_k, chunk_v=chunk_v,
                                num_stages=num_stages, grid_order=grid_order)
                  for start in range(0, num_tokens, row_group)]
-        return LocalStats(*(None if parts[0][i] is None
-                            else jnp.concatenate([p[i] for p in parts])
-                            for i in range(len(parts[0]))))
+        return jax.tree.map(lambda *groups: jnp.concatenate(groups), *parts)
     if hidden_size % block_k or num_tokens % 8:
         raise ValueError(f"fused forward: T % 8 and H % {block_k} must be 0, got hidden "
                          f"{hidden.shape}")

@@ -275,8 +275,8 @@ def fold_tile(raw, row_max, sum_exp, shifted, *, inv_tau):
     into its rows' running statistics: the row max m in raw units, sum 2^d and (unless
     `shifted` is None) sum 2^d d, d = (x - m) log2(e) relative to the running max.
     Returns them and the tile's 2^d and the old sums' rescale factor (the masked sums
-    reuse both). Also the fused head's epilogue on its logits tiles
-    (`benchmarks/fused_head_probe.py`)."""
+    reuse both). Also the fused head's epilogue on its wgmma logits tiles
+    (`linear_mosaic.py`)."""
     scale = inv_tau * _LOG2E
     shape = raw.shape
     new_max = jnp.maximum(row_max, raw.max(axis=1))

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from bridge._jaxfns import _cached, _pack_outputs, decode_targets
 from jaxops import linear_staged, staged
-from jaxops.linear import chunk_columns, fused_forward_fits
+from jaxops.linear import chunk_columns, fused_backward_fits, fused_forward_fits
 
 
 @_cached
@@ -63,14 +63,16 @@ def round_accumulator(*, dtype):
 @_cached
 def local_backward(*, shard_index, inv_tau, with_entropy, entropy_grad, masked,
                    has_d_log_prob, has_d_entropy, implementation, config, target_mode,
-                   chunk_size, want_d_hidden, d_weight_mode):
+                   chunk_size, want_d_hidden, d_weight_mode, fused_wanted=False):
     """fn(hidden, weight, raw_targets, keep_mask, gathered [R, K, b], d_out [b, n], acc)
     -> (d hidden [b, H] or None, d weight [V_loc, H] or None).
 
     d_weight_mode: "direct" -- the call's only window: d weight in weight's dtype, each
     chunk's rows rounded once from their fp32 GEMM (`acc` is None); "accumulate" --
     `acc` + this window's d weight, fp32; `acc` is donated, so the windows of a call
-    chain one accumulator through with no second copy alive; None: not computed."""
+    chain one accumulator through with no second copy alive; None: not computed.
+    `fused_wanted`: the d logits from `jaxops.linear_mosaic.backward_logits` (logits
+    recomputed in the kernel) for the window sizes it applies to."""
 
     def fn(hidden, weight, raw_targets, keep_mask, gathered, d_out, acc):
         targets = decode_targets(raw_targets, target_mode)
@@ -82,6 +84,8 @@ def local_backward(*, shard_index, inv_tau, with_entropy, entropy_grad, masked,
             acc if d_weight_mode == "accumulate" else None, inv_tau=inv_tau,
             with_entropy=with_entropy, entropy_grad=entropy_grad,
             implementation=implementation, config=config, chunk=chunk,
-            want_d_hidden=want_d_hidden, want_d_weight=d_weight_mode == "direct")
+            want_d_hidden=want_d_hidden, want_d_weight=d_weight_mode == "direct",
+            fused_logits=fused_wanted and fused_backward_fits(
+                hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.dtype, masked))
 
     return jax.jit(fn, donate_argnums=(6,) if d_weight_mode == "accumulate" else ())

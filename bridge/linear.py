@@ -181,7 +181,7 @@ class Plan:
         self.implementation, self.config = _run.implementation_for(
             implementation, dev, num_vocab=chunk, itemsize=4,
             mask_dtype=None if keep_mask is None else np.bool_)
-        # The fused forward kernel as the JAX op takes it (its own config only names the
+        # The fused kernels as the JAX op takes them (its own config only names the
         # chunks' kernels); each window size then checks its shapes.
         self.fused_wanted = fused_forward_wanted(*implementations.resolve(
             implementation or None, "cuda" if dev.cuda else "cpu"))
@@ -282,7 +282,7 @@ def backward(state: ForwardState, d_log_prob, d_entropy, inv_tau, with_entropy, 
         has_d_log_prob=d_log_prob is not None, has_d_entropy=d_entropy is not None,
         implementation=plan.implementation, config=plan.config,
         target_mode=plan.target_mode, chunk_size=chunk_size,
-        want_d_hidden=want_d_hidden, d_weight_mode=mode)
+        want_d_hidden=want_d_hidden, d_weight_mode=mode, fused_wanted=plan.fused_wanted)
     acc = _linear_jaxfns.zero_accumulator()(j_weight) if mode == "accumulate" else None
     pieces = []
     for v, s, d in zip(state.views, state.stats, j_d):

@@ -163,11 +163,13 @@ def _empty_stats(num_tokens, with_entropy, masked, like) -> LocalStats:
                       masked_sum_exp=zero if masked else None)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10, 11))
 def _linear_local_stats(hidden, weight, local_targets, keep_mask, inv_tau, with_entropy,
-                        entropy_grad, implementation, config, chunk, fused_forward=False):
+                        entropy_grad, implementation, config, chunk, fused_forward=False,
+                        fused_backward=False):
     """`stats.local_stats(hidden @ weight.T, ...)`, vocabulary chunk by chunk, or with
-    `fused_forward` in one Mosaic GPU kernel (`linear_mosaic`, no keep mask)."""
+    `fused_forward` in one Mosaic GPU kernel (`linear_mosaic`, no keep mask).
+    `fused_backward`: the backward's d logits from `linear_mosaic.backward_logits`."""
     del entropy_grad
     if fused_forward:
         from jaxops import linear_mosaic
@@ -189,17 +191,18 @@ def _linear_local_stats(hidden, weight, local_targets, keep_mask, inv_tau, with_
 
 
 def _linear_local_stats_fwd(hidden, weight, local_targets, keep_mask, inv_tau, with_entropy,
-                            entropy_grad, implementation, config, chunk, fused_forward=False):
+                            entropy_grad, implementation, config, chunk, fused_forward=False,
+                            fused_backward=False):
     stats = _linear_local_stats(hidden, weight, local_targets, keep_mask, inv_tau,
                                 with_entropy, entropy_grad, implementation, config, chunk,
-                                fused_forward)
+                                fused_forward, fused_backward)
     residuals = (hidden, weight, local_targets, keep_mask, stats.max_logit, stats.masked_max)
     return stats, residuals
 
 
 def chunked_backward(hidden, weight, local_targets, keep_mask, max_logit, masked_max, coefs, *,
                      inv_tau, implementation, config, chunk, d_weight=None,
-                     want_d_hidden=True, want_d_weight=None):
+                     want_d_hidden=True, want_d_weight=None, fused_logits=False):
     """The backward's chunk loop over the vocabulary: recompute a chunk's logits
     `[T, C]`, form its d logits, and contract them at once into this chunk's rows of d
     weight (complete: the contraction over T happens in one GEMM) and into the fp32
@@ -213,6 +216,10 @@ def chunked_backward(hidden, weight, local_targets, keep_mask, max_logit, masked
       * `want_d_weight=True` (and no accumulator): returned in weight's dtype, each
         chunk's rows rounded once from their fp32 GEMM;
       * neither: not computed.
+    `fused_logits`: each chunk's d logits from `linear_mosaic.backward_logits`, which
+    recomputes the logits in the kernel (no fp32 `[T, C]` chunk; the caller checks
+    `linear_mosaic.applies`), and d weight's rows straight from their GEMM in weight's
+    dtype (no fp32 `[C, H]` either: see the body).
     Returns (d hidden `[T, H]` in hidden's dtype or None without `want_d_hidden`,
     d weight or None)."""
     kernels = implementations.kernels(implementation)
@@ -233,17 +240,27 @@ def chunked_backward(hidden, weight, local_targets, keep_mask, max_logit, masked
         # The GEMMs take d logits in the inputs' dtype, as the unfused op's gradient of
         # bf16 logits is: an fp32 operand would turn both into fp32 GEMMs (~10x slower).
         # The kernel rounds them as it stores them: no fp32 [T, C] array, no pass over it.
-        d_logits = kernels.backward_logits(
-            _logits(hidden, weight_c), targets_c, mask_c, max_logit, masked_max, coefs,
-            inv_tau=inv_tau, config=config, out_dtype=compute)  # [T, C]
+        if fused_logits:
+            from jaxops import linear_mosaic
+
+            d_logits = linear_mosaic.backward_logits(
+                hidden, weight_c, targets_c, max_logit, coefs, inv_tau=inv_tau,
+                out_dtype=compute, interpret=bool(getattr(config, "interpret", False)))
+        else:
+            d_logits = kernels.backward_logits(
+                _logits(hidden, weight_c), targets_c, mask_c, max_logit, masked_max, coefs,
+                inv_tau=inv_tau, config=config, out_dtype=compute)  # [T, C]
         if d_hidden is not None:
             d_hidden = d_hidden + _dot(d_logits, weight_c, ((1,), (0,)), acc)
         if out_weight is not None:
-            # [C, H] in fp32, rounded once. (A dot with a bf16 result would save the fp32
+            # [C, H] in fp32, rounded once. A dot with a bf16 result saves that fp32
             # temporary, but XLA may then sum in bf16: on the H200 it did at T = 7, H = 1,
-            # 0.4% off; and the fp32-accumulation algorithm that forbids it is rejected by
-            # XLA's CPU emitter at such shapes. benchmarks/NOTES.md, session 16.)
-            rows = _dot(d_logits, hidden, ((0,), (0,)), acc)
+            # 0.4% off (benchmarks/NOTES.md, session 16), and the fp32-accumulation
+            # algorithm that forbids it is rejected by XLA's CPU emitter at such shapes.
+            # The fused path's shapes (T % 8 == 0, H % 64 == 0: a real GEMM, which
+            # accumulates in fp32) take the bf16 result.
+            direct = fused_logits and not accumulate
+            rows = _dot(d_logits, hidden, ((0,), (0,)), out_weight.dtype if direct else acc)
             if accumulate:
                 rows = rows + lax.dynamic_slice_in_dim(out_weight, start, rows.shape[0], 0)
             out_weight = lax.dynamic_update_slice_in_dim(
@@ -260,14 +277,14 @@ def chunked_backward(hidden, weight, local_targets, keep_mask, max_logit, masked
 
 
 def _linear_local_stats_bwd(inv_tau, with_entropy, entropy_grad, implementation, config,
-                            chunk, fused_forward, residuals, cotangents):
-    del fused_forward  # the backward is chunked either way
+                            chunk, fused_forward, fused_backward, residuals, cotangents):
+    del fused_forward
     hidden, weight, local_targets, keep_mask, max_logit, masked_max = residuals
     coefs = backward_coefs(cotangents, with_entropy and entropy_grad, keep_mask is not None)
     d_hidden, d_weight = chunked_backward(
         hidden, weight, local_targets, keep_mask, max_logit, masked_max, coefs,
         inv_tau=inv_tau, implementation=implementation, config=config, chunk=chunk,
-        want_d_weight=True)
+        want_d_weight=True, fused_logits=fused_backward)
     return d_hidden, d_weight, None, None
 
 
@@ -286,6 +303,16 @@ def fused_forward_wanted(impl: str, config, pallas_config=None) -> bool:
     return impl == "pallas_mosaic"
 
 
+def fused_backward_fits(num_tokens, hidden_size, num_vocab, dtype, masked) -> bool:
+    """Whether the backward's d logits come from `linear_mosaic.backward_logits` for
+    these shapes (where the fused kernels are wanted): where the fused forward fits, up
+    to `linear_mosaic.MAX_FUSED_BACKWARD_TOKENS` rows."""
+    from jaxops import linear_mosaic
+
+    return (num_tokens <= linear_mosaic.MAX_FUSED_BACKWARD_TOKENS
+            and linear_mosaic.applies(num_tokens, hidden_size, num_vocab, dtype, masked))
+
+
 def fused_forward_fits(num_tokens, hidden_size, num_vocab, dtype, masked) -> bool:
     """`linear_mosaic.applies`, imported on first use (it loads Mosaic GPU's Pallas)."""
     from jaxops import linear_mosaic
@@ -298,6 +325,13 @@ def _fused_forward(impl, config, pallas_config, num_tokens, hidden_size, num_voc
     """`fused_forward_wanted` and `fused_forward_fits` this call's shapes."""
     return (fused_forward_wanted(impl, config, pallas_config)
             and fused_forward_fits(num_tokens, hidden_size, num_vocab, dtype, masked))
+
+
+def _fused_backward(impl, config, pallas_config, num_tokens, hidden_size, num_vocab, dtype,
+                    masked) -> bool:
+    """`fused_forward_wanted` and `fused_backward_fits` this call's shapes."""
+    return (fused_forward_wanted(impl, config, pallas_config)
+            and fused_backward_fits(num_tokens, hidden_size, num_vocab, dtype, masked))
 
 
 def _check_linear(hidden, weight, chunk_size, implementation):
@@ -401,8 +435,9 @@ def linear_logprob_entropy(
 
     num_tokens = int(np.prod(lead_shape))
     chunk = chunk_columns(num_tokens, num_vocab, chunk_size)
-    fused_forward = _fused_forward(impl, config, pallas_config, num_tokens, hidden.shape[-1],
-                                   num_vocab, hidden.dtype, keep_mask is not None)
+    fused = [decide(impl, config, pallas_config, num_tokens, hidden.shape[-1], num_vocab,
+                    hidden.dtype, keep_mask is not None)
+             for decide in (_fused_forward, _fused_backward)]
     # The kernels read one chunk's fp32 logits [T, chunk] at a time, and the keep mask as
     # bool (below), whatever its dtype here: "pallas" picks its backend for those.
     impl, config = implementations.for_call(
@@ -430,7 +465,7 @@ def linear_logprob_entropy(
                                              local_targets, flat_mask)
         stats = _linear_local_stats(flat_hidden, weight, local_targets, flat_mask, 1.0 / tau,
                                     bool(with_entropy), bool(entropy_grad), impl, config,
-                                    chunk, fused_forward)
+                                    chunk, *fused)
         log_prob, entropy = combine(stats, targets_valid, entropy_grad=bool(entropy_grad),
                                     axis_name=axis_name)
 

@@ -38,48 +38,114 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxops import pallas_mosaic as pm
-from jaxops.contract import NEG, LocalStats, varying_struct
+from jaxops.contract import NEG, BackwardCoefs, LocalStats, varying_struct
 from jaxops.pallas_config import MosaicConfig
 
 _ROWS = 64  # rows per CTA: the M extent of one warpgroup's wgmma
-# Where the fused forward is used: measured faster than the chunked one up to T = 4096
-# (hidden up to 64 MiB), even at T = 8192, slower at T = 16,384 (module docstring).
-MAX_FUSED_TOKENS = 4096
-MAX_HIDDEN_BYTES = 64 * 2**20
+# Up to MAX_ONE_LAUNCH_TOKENS rows the forward is one launch; beyond, one launch per
+# ROW_GROUP rows. One launch at T = 16,384, H = 4096 took 36.8 ms (the chunked forward
+# 33.9): its resident CTAs span too few rows of a chunk for L2 to keep serving the
+# weight. Groups of 2048 rows: 32.4 ms (4096: 33.4); T = 8192: 15.3 (chunked 17.5);
+# T = 16,384, H = 8192: 64.1 (65.2). H200, benchmarks/NOTES.md session 17.
+MAX_ONE_LAUNCH_TOKENS = 4096
+ROW_GROUP = 2048
 # Tile and pipeline defaults, from the probe's sweep at T = H = 4096 (ms): block_n 256 /
 # block_k 64 / 4 stages 7.2; 5 stages 7.5; 3 stages 9.5; block_n 128 8.7-11.4; chunk_v
 # 4096 7.3, 8192 7.5. block_n 256 with 4 stages fills 160 KiB of SMEM: one CTA per SM.
 BLOCK_N, BLOCK_K, NUM_STAGES, CHUNK_V = 256, 64, 4, 2048
+# The backward's CTAs each cover chunk_v columns of one call's chunk of the vocabulary
+# (4096 columns at T = 4096): 512 gives 8 CTAs per row block there. Per 4096-column
+# chunk at T = H = 4096 (single calls, host latency included): 2048 0.44 ms, 1024 0.38,
+# 512 0.36; the chunked GEMM + statistics kernel 0.47 (benchmarks/NOTES.md session 17).
+BACKWARD_CHUNK_V = 512
+# Where the linear backward takes `backward_logits`: forward+backward at T = 4096, V =
+# 151,936 bf16, chunk 4096: H = 4096 34.35 ms (35.24 with the GEMM + statistics
+# kernel), H = 8192 67.40 (68.53); at T = 16,384, H = 4096 (chunk 3072) 136.1 (135.3).
+MAX_FUSED_BACKWARD_TOKENS = 4096
 
 
 def applies(num_tokens: int, hidden_size: int, num_vocab: int, dtype, masked: bool) -> bool:
-    """Whether the fused forward takes this call's shapes (the caller checks that the
-    Mosaic GPU backend is wanted and runs here)."""
+    """Whether the fused kernels take this call's shapes (the caller checks that the
+    Mosaic GPU backend is wanted and runs here): no keep mask, bf16/fp16, T a multiple
+    of 8 (the targets' and d logits' TMA rows), H of BLOCK_K, V_loc of 8 (TMA's 16-byte
+    row stride of d logits)."""
     return (not masked and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and 0 < num_tokens <= MAX_FUSED_TOKENS and num_tokens % 8 == 0
-            and hidden_size % BLOCK_K == 0 and num_vocab % 8 == 0
-            and num_tokens * hidden_size * jnp.dtype(dtype).itemsize <= MAX_HIDDEN_BYTES)
+            and num_tokens > 0 and num_tokens % 8 == 0
+            and hidden_size % BLOCK_K == 0 and num_vocab % 8 == 0)
+
+
+def _operand_transforms(block_k: int, itemsize: int):
+    """SMEM tiling + swizzle of the hidden and weight tiles ([rows, block_k]): 64 bf16
+    columns take a 128-byte swizzle."""
+    swizzle = min(128, block_k * itemsize)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _logits_tile(h_ref, w_ref, row_block, tile, *, hidden_size: int, block_n: int,
+                 block_k: int, num_stages: int, interpret: bool):
+    """The fp32 `[64, block_n]` logits tile of rows `row_block` and weight rows `tile`:
+    wgmma over H in block_k steps, the hidden and weight tiles streamed through SMEM by a
+    TMA pipeline of `num_stages` (the weight tile read transposed). In interpret mode a
+    jnp dot: the interpreter's wgmma takes no transposed operand."""
+    shape = (_ROWS, block_n)
+    transforms = _operand_transforms(block_k, h_ref.dtype.itemsize)
+    # delay_release=1: a step's SMEM slots are reused one step later, so the wgmma that
+    # reads them may still be in flight when the step returns (wgmma_wait(1)).
+    in_specs = [plgpu.BlockSpec((_ROWS, block_k), lambda k: (row_block, k),
+                                transforms=transforms, delay_release=1),
+                plgpu.BlockSpec((block_n, block_k), lambda k: (tile, k),
+                                transforms=transforms, delay_release=1)]
+    pipeline = functools.partial(plgpu.emit_pipeline, grid=(hidden_size // block_k,),
+                                 in_specs=in_specs, max_concurrent_steps=num_stages)
+    if interpret:
+        def k_step_interpret(indices, h_smem, w_smem, acc):
+            return acc + lax.dot_general(
+                h_smem[...].astype(jnp.float32), w_smem[...].astype(jnp.float32),
+                (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+        return pipeline(k_step_interpret, init_carry=jnp.zeros(shape, jnp.float32))(
+            h_ref, w_ref)
+
+    def scoped(acc_ref):
+        def k_step(indices, h_smem, w_smem):
+            plgpu.wgmma(acc_ref, h_smem, w_smem.transpose((1, 0)))
+            plgpu.wgmma_wait(1)
+
+        pipeline(k_step)(h_ref, w_ref)
+        plgpu.wgmma_wait(0)
+        return acc_ref[...]
+
+    return pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32))
+
+
+def _check_operands(hidden, block_k: int, what: str):
+    if hidden.shape[1] % block_k or hidden.shape[0] % 8:
+        raise ValueError(f"fused {what}: T % 8 and H % {block_k} must be 0, got hidden "
+                         f"{hidden.shape}")
 
 
 def forward_stats(hidden, weight, local_targets, *, inv_tau: float, with_entropy: bool,
                   interpret: bool = False, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
                   chunk_v: int = CHUNK_V, num_stages: int = NUM_STAGES,
-                  grid_order: str = "chunks,rows", row_group: int | None = None
+                  grid_order: str = "chunks,rows", row_group: int | None = -1
                   ) -> LocalStats:
     """`LocalStats` of logits = hidden @ weight.T (fp32 accumulation), no keep mask.
 
     hidden `[T, H]`, weight `[V_loc, H]` (bf16 or fp16, T a multiple of 8, H of block_k),
     local_targets `[T]` int32 shard-local ids (outside [0, V_loc): not on this shard).
     `grid_order` "rows,chunks" exists for the probe's comparison only (see above).
-    `row_group` (a multiple of 64; tuning, for the probe: not measured yet): one kernel
-    launch per group of that many rows. A row's statistics need no other row, and the
-    64-row blocks are the same, so the results are bitwise those of one launch.
+    `row_group` (a multiple of 64): one kernel launch per group of that many rows; None:
+    one launch; -1 (default): ROW_GROUP rows per launch where T > MAX_ONE_LAUNCH_TOKENS.
+    A row's statistics need no other row, and the 64-row blocks are the same, so the
+    results are bitwise those of one launch.
 
     In interpret mode (CPU tests) the tile comes from a jnp dot instead of wgmma: the
     interpreter's wgmma takes no transposed operand. The CPU thus checks the tiling, the
     chunking and the statistics; the wgmma path is checked on the GPU."""
     num_tokens, hidden_size = hidden.shape
     num_vocab = weight.shape[0]
+    if row_group == -1:
+        row_group = ROW_GROUP if num_tokens > MAX_ONE_LAUNCH_TOKENS else None
     if row_group is not None and num_tokens > row_group:
         if row_group % _ROWS:
             raise ValueError(f"row_group must be a multiple of {_ROWS}, got {row_group}")
@@ -87,22 +153,17 @@ def forward_stats(hidden, weight, local_targets, *, inv_tau: float, with_entropy
                                local_targets[start:start + row_group], inv_tau=inv_tau,
                                with_entropy=with_entropy, interpret=interpret,
                                block_n=block_n, block_k=block_k, chunk_v=chunk_v,
-                               num_stages=num_stages, grid_order=grid_order)
+                               num_stages=num_stages, grid_order=grid_order, row_group=None)
                  for start in range(0, num_tokens, row_group)]
         return jax.tree.map(lambda *groups: jnp.concatenate(groups), *parts)
-    if hidden_size % block_k or num_tokens % 8:
-        raise ValueError(f"fused forward: T % 8 and H % {block_k} must be 0, got hidden "
-                         f"{hidden.shape}")
-    itemsize = hidden.dtype.itemsize
+    _check_operands(hidden, block_k, "forward")
     config = MosaicConfig(block_v=block_n, chunk_v=chunk_v, num_stages=num_stages,
                           interpret=interpret)
     tiles, chunks, per_chunk = pm._chunking(num_vocab, block_n, chunk_v)
-    k_steps = hidden_size // block_k
     row_blocks = pl.cdiv(num_tokens, _ROWS)
     padded = row_blocks * _ROWS
-    swizzle = min(128, block_k * itemsize)  # 64 bf16 columns: a 128-byte swizzle
-    transforms = (plgpu.TilingTransform((8, swizzle // itemsize)),
-                  plgpu.SwizzleTransform(swizzle))
+    tile_fn = functools.partial(_logits_tile, hidden_size=hidden_size, block_n=block_n,
+                                block_k=block_k, num_stages=num_stages, interpret=interpret)
     inv_tau = float(inv_tau)
     num_out = 3 + with_entropy  # max, sum[, shifted], target logit
     grid_names = tuple(grid_order.split(","))
@@ -135,44 +196,13 @@ def forward_stats(hidden, weight, local_targets, *, inv_tau: float, with_entropy
             target_sum = target_sum + jnp.where(hit, acc, 0.0).sum(axis=1)
             return row_max, sum_exp, shifted, target_sum
 
-        # delay_release=1: a step's SMEM slots are reused one step later, so the wgmma
-        # that reads them may still be in flight when the step returns (wgmma_wait(1)).
-        def in_specs(j):
-            return [plgpu.BlockSpec((_ROWS, block_k), lambda k: (row_block, k),
-                                    transforms=transforms, delay_release=1),
-                    plgpu.BlockSpec((block_n, block_k), lambda k: (first_tile + j, k),
-                                    transforms=transforms, delay_release=1)]
-
-        def column_tile_interpret(j, stats):
-            def k_step(indices, h_smem, w_smem, acc):
-                return acc + lax.dot_general(
-                    h_smem[...].astype(jnp.float32), w_smem[...].astype(jnp.float32),
-                    (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-            acc = plgpu.emit_pipeline(k_step, grid=(k_steps,), in_specs=in_specs(j),
-                                      max_concurrent_steps=num_stages,
-                                      init_carry=jnp.zeros(shape, jnp.float32))(h_ref, w_ref)
-            return stats_update(j, acc, stats)
-
         def column_tile(j, stats):
-            def logits_tile(acc_ref):
-                def k_step(indices, h_smem, w_smem):
-                    plgpu.wgmma(acc_ref, h_smem, w_smem.transpose((1, 0)))
-                    plgpu.wgmma_wait(1)
-
-                plgpu.emit_pipeline(k_step, grid=(k_steps,), in_specs=in_specs(j),
-                                    max_concurrent_steps=num_stages)(h_ref, w_ref)
-                plgpu.wgmma_wait(0)
-                return acc_ref[...]
-
-            acc = pl.run_scoped(logits_tile, plgpu.ACC(shape, jnp.float32))
-            return stats_update(j, acc, stats)
+            return stats_update(j, tile_fn(h_ref, w_ref, row_block, first_tile + j), stats)
 
         neg = pm._row_vector(NEG, jnp.float32, config)
         zero = pm._row_vector(0.0, jnp.float32, config)
         stats = (neg, zero, zero if with_entropy else None, zero)
-        stats = lax.fori_loop(0, per_chunk,
-                              column_tile_interpret if interpret else column_tile, stats)
+        stats = lax.fori_loop(0, per_chunk, column_tile, stats)
         results = [s for s in stats if s is not None]
         rows = pl.ds(row_block * _ROWS, _ROWS)
         for smem, value in zip(smem_refs, results):
@@ -202,3 +232,93 @@ def forward_stats(hidden, weight, local_targets, *, inv_tau: float, with_entropy
                                                             inv_tau)
     return LocalStats(max_logit, sum_exp, sum_exp_shifted,
                       jnp.where(on_shard, target_raw * inv_tau, 0.0), None, None)
+
+
+def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoefs, *,
+                    inv_tau: float, out_dtype=None, interpret: bool = False,
+                    block_n: int = BLOCK_N, block_k: int = BLOCK_K,
+                    chunk_v: int = BACKWARD_CHUNK_V, num_stages: int = NUM_STAGES
+                    ) -> jax.Array:
+    """d loss / d logits `[T, V_loc]` of logits = hidden @ weight.T, no keep mask, with the
+    logits recomputed in the kernel: each CTA computes a [64, block_n] fp32 logits tile
+    with wgmma (as `forward_stats`), forms its gradient in registers
+    (`pallas_mosaic.softmax_terms`, the statistics kernels' backward arithmetic) and
+    stores it rounded to `out_dtype` (default: hidden's dtype) through SMEM with TMA. No
+    fp32 logits in HBM. The linear backward calls it per vocabulary chunk
+    (`linear.chunked_backward`).
+
+    hidden `[T, H]`, weight `[V_loc, H]` (bf16/fp16, T % 8 == 0, H % block_k == 0),
+    local_targets `[T]` shard-local ids, max_logit `[T]` (units of logits / tau),
+    coefs `[T]` each (`contract.BackwardCoefs`, no masked coefficient)."""
+    _check_operands(hidden, block_k, "backward")
+    if coefs.coef_masked is not None:
+        raise ValueError("linear_mosaic.backward_logits takes no keep mask")
+    num_tokens, hidden_size = hidden.shape
+    num_vocab = weight.shape[0]
+    out_dtype = jnp.dtype(out_dtype or hidden.dtype)
+    config = MosaicConfig(block_v=block_n, chunk_v=chunk_v, num_stages=num_stages,
+                          interpret=interpret)
+    tiles, chunks, per_chunk = pm._chunking(num_vocab, block_n, chunk_v)
+    row_blocks = pl.cdiv(num_tokens, _ROWS)
+    padded = row_blocks * _ROWS
+    inv_tau = float(inv_tau)
+    scale = inv_tau * pm._LOG2E
+    entropy = coefs.coef_shifted is not None
+    vectors = pm.backward_vectors(max_logit, None, coefs, inv_tau, padded)
+    num_vectors = vectors.shape[0]
+    tile_fn = functools.partial(_logits_tile, hidden_size=hidden_size, block_n=block_n,
+                                block_k=block_k, num_stages=num_stages, interpret=interpret)
+    shape = (_ROWS, block_n)
+
+    def kernel(h_ref, w_ref, t_ref, vectors_ref, out_ref, target_smem, vectors_smem,
+               grad_smem, barrier):
+        row_block = lax.axis_index("rows")
+        first_tile, _ = pm._chunk_start(lax.axis_index("chunks"), tiles, per_chunk)
+        rows = pl.ds(row_block * _ROWS, _ROWS)
+        pm.copy_targets(t_ref, rows, target_smem, barrier.at[0], False)
+        plgpu.copy_gmem_to_smem(vectors_ref.at[:, rows], vectors_smem, barrier.at[0])
+        plgpu.barrier_wait(barrier.at[0])
+        target = pm.read_targets(target_smem, False, config)
+        neg_ref, coef_sum, *rest = [pm._read(vectors_smem.at[i], pm._rows_layout(), config)
+                                    for i in range(num_vectors)]
+        coef_shifted = rest.pop(0) if entropy else None
+        (coef_target,) = rest
+
+        def column_tile(j, carry):
+            tile = first_tile + j
+            raw = tile_fn(h_ref, w_ref, row_block, tile)
+            cols = tile * block_n + pm._layout(
+                lax.broadcasted_iota(jnp.int32, shape, 1), plgpu.Layout.WGMMA, config)
+            exp_d, coef = pm.softmax_terms(raw, neg_ref, coef_sum, coef_shifted, scale=scale)
+            grad = exp_d * coef + jnp.where(cols == pm._per_col(target, shape),
+                                            pm._per_col(coef_target, shape), 0.0)
+            # One SMEM slot: the previous tile's TMA store has had this tile's whole
+            # wgmma loop to read it. Columns past V_loc (and rows past T) are clipped
+            # by the store on the GPU; the interpreter gets a padded output instead.
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            grad_smem[...] = grad.astype(out_dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(grad_smem, out_ref.at[rows, pl.ds(tile * block_n,
+                                                                      block_n)])
+            return carry
+
+        lax.fori_loop(0, per_chunk, column_tile, 0)
+        plgpu.wait_smem_to_gmem(0)
+
+    on_shard = (local_targets >= 0) & (local_targets < num_vocab)
+    targets = jnp.pad(jnp.where(on_shard, local_targets, -1).astype(jnp.int32),
+                      (0, padded - num_tokens))
+    out_shape = (padded, tiles * block_n) if interpret else (num_tokens, num_vocab)
+    operands = (hidden, weight, targets, vectors)
+    call = plgpu.kernel(
+        kernel, out_type=varying_struct(out_shape, out_dtype, *operands, max_logit,
+                                        *[c for c in coefs if c is not None]),
+        scratch_types=[pm.target_smem(False), plgpu.SMEM((num_vectors, _ROWS), jnp.float32),
+                       plgpu.SMEM(shape, out_dtype, transforms=pm._transforms(
+                           num_tokens, num_vocab, out_dtype.itemsize, block_n)),
+                       plgpu.Barrier(num_arrivals=2, num_barriers=1)],
+        grid=(chunks, row_blocks), grid_names=("chunks", "rows"),
+        compiler_params=pm._compiler_params(config),
+        interpret=pm._interpret_params() if interpret else False)
+    d_logits = call(*operands)
+    return d_logits[:num_tokens, :num_vocab] if interpret else d_logits

@@ -45,7 +45,8 @@ def local_forward(hidden, weight, targets, keep_mask, shard_index, *, inv_tau: f
 def local_backward(hidden, weight, targets, keep_mask, gathered, shard_index, d_log_prob,
                    d_entropy, d_weight_acc, *, inv_tau: float, with_entropy: bool,
                    entropy_grad: bool, implementation: str, config: PallasConfig | None,
-                   chunk: int, want_d_hidden: bool = True, want_d_weight: bool = False):
+                   chunk: int, want_d_hidden: bool = True, want_d_weight: bool = False,
+                   fused_logits: bool = False):
     """(d hidden `[T, H]` (hidden's dtype; this shard's part) or None, d weight or None).
 
     d weight `[V_loc, H]`: `d_weight_acc` + this call's d weight (fp32) with an
@@ -53,7 +54,8 @@ def local_backward(hidden, weight, targets, keep_mask, gathered, shard_index, d_
     (for a caller with one piece: no fp32 copy); else None.
 
     `gathered [R, K, T]`: every shard's packed statistics; `d_log_prob [T]` float32 (or
-    None), `d_entropy [T]` or None: the incoming cotangents."""
+    None), `d_entropy [T]` or None: the incoming cotangents. `fused_logits`: the d logits
+    from `linear_mosaic.backward_logits` (the caller checks that it applies)."""
     num_vocab = weight.shape[0]
     own, coefs = shard_cotangents(gathered, targets, shard_index, d_log_prob, d_entropy,
                                   num_vocab=num_vocab, with_entropy=with_entropy,
@@ -62,4 +64,4 @@ def local_backward(hidden, weight, targets, keep_mask, gathered, shard_index, d_
         hidden, weight, _local_targets(targets, shard_index, num_vocab), keep_mask,
         own.max_logit, own.masked_max, coefs, inv_tau=inv_tau,
         implementation=implementation, config=config, chunk=chunk, d_weight=d_weight_acc,
-        want_d_hidden=want_d_hidden, want_d_weight=want_d_weight)
+        want_d_hidden=want_d_hidden, want_d_weight=want_d_weight, fused_logits=fused_logits)

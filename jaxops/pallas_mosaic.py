@@ -540,6 +540,37 @@ def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
 
 # --- backward ----------------------------------------------------------------------------
 
+def softmax_terms(raw, neg_ref, coef_sum, coef_shifted, *, scale):
+    """(2^d, the per-element coefficient) of a [64, width] float32 tile of raw logits, d =
+    (x - m) log2(e) (`neg_ref` = -m log2(e), `scale` = log2(e) / tau): the gradient is
+    2^d * coefficient plus the target's term (and the kept softmax's, with a mask). The
+    coefficient is coef_sum + coef_shifted * d with entropy (`coef_shifted` not None).
+    Also the fused head's backward epilogue (`linear_mosaic.backward_logits`)."""
+    shape = raw.shape
+    d = raw * scale + _per_col(neg_ref, shape)
+    coef = _per_col(coef_sum, shape)
+    if coef_shifted is not None:
+        coef = coef + _per_col(coef_shifted, shape) * d
+    return jnp.exp2(d), coef
+
+
+def backward_vectors(max_logit, masked_max, coefs: BackwardCoefs, inv_tau, padded: int):
+    """The backward kernels' per-row vectors `[n, padded]` float32 (rows past T zero):
+    -m log2(e), then the coefficients with 1/tau (and ln 2 for the log2-unit d) folded
+    in: coef_sum[, coef_shifted], coef_target[, masked -m log2(e), coef_masked]."""
+    def finite_or_zero(m):  # rows with no finite logit: any finite reference works
+        return jnp.where(m > NEG, m, 0.0)
+
+    vectors = [_neg_reference(finite_or_zero(max_logit)), coefs.coef_sum * inv_tau]
+    if coefs.coef_shifted is not None:
+        vectors.append(coefs.coef_shifted * (inv_tau * _LN2))
+    vectors.append(coefs.coef_target * inv_tau)
+    if masked_max is not None:
+        vectors += [_neg_reference(finite_or_zero(masked_max)), coefs.coef_masked * inv_tau]
+    vectors = jnp.stack([v.astype(jnp.float32) for v in vectors])
+    return jnp.pad(vectors, [(0, 0), (0, padded - vectors.shape[1])])
+
+
 def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsize,
                      num_vectors, prologue=None):
     """`prologue`: None reads the targets and the coefficient vectors computed by
@@ -590,11 +621,7 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsiz
             lax.broadcasted_iota(jnp.int32, shape, 1), wgmma, config)
         # Columns past V_loc are never stored (TMA clips them): no vocabulary mask.
         raw = jnp.maximum(read_logits(logits_smem).astype(jnp.float32), _EXCLUDED)
-        d = raw * scale + _per_col(neg_ref, shape)  # (x - m) * log2(e)
-        exp_d = jnp.exp2(d)
-        coef = _per_col(coef_sum, shape)
-        if entropy:
-            coef = coef + _per_col(coef_shifted, shape) * d
+        exp_d, coef = softmax_terms(raw, neg_ref, coef_sum, coef_shifted, scale=scale)
         onehot = cols == _per_col(target, shape)
         if masked:
             kept = read_mask(mask_smem) | onehot
@@ -687,17 +714,9 @@ def _backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
     row_blocks = pl.cdiv(num_tokens, _ROWS)
     padded = row_blocks * _ROWS
 
-    def finite_or_zero(m):  # rows with no finite logit: any finite reference works
-        return jnp.where(m > NEG, m, 0.0)
-
-    # inv_tau (and ln 2 for the log2-unit d) folded into the per-row coefficients.
-    vectors = [_neg_reference(finite_or_zero(max_logit)), coefs.coef_sum * inv_tau]
-    vectors += [coefs.coef_shifted * (inv_tau * _LN2)] if entropy else []
-    vectors += [coefs.coef_target * inv_tau]
-    if masked:
-        vectors += [_neg_reference(finite_or_zero(masked_max)), coefs.coef_masked * inv_tau]
+    vectors = backward_vectors(max_logit, masked_max if masked else None, coefs, inv_tau,
+                               padded)
     pad = [(0, padded - num_tokens)]
-    vectors = jnp.pad(jnp.stack([v.astype(jnp.float32) for v in vectors]), [(0, 0)] + pad)
     on_shard = (local_targets >= 0) & (local_targets < num_vocab)
     # Off-shard targets match no column (-1), not even a padding column.
     target = jnp.pad(jnp.where(on_shard, local_targets, -1).astype(jnp.int32), pad)

@@ -88,18 +88,19 @@ def check_linear(label, got, data, dtype, *, temperature, with_entropy, entropy_
                               floor=scale * float(np.abs(data["hidden"]).max(initial=0.0))))
 
 
-def count_fused_forward(monkeypatch) -> list:
-    """Patch `linear_mosaic.forward_stats` (the fused forward kernel) to record the
-    hidden shape of each call it is traced with; returns that list. Callers clear the
-    caches of the jitted functions under test, so that they trace afresh."""
+def count_fused_forward(monkeypatch, kernel: str = "forward_stats") -> list:
+    """Patch the fused kernel `linear_mosaic.<kernel>` ("forward_stats", the fused
+    forward, or "backward_logits", the backward's recomputing d logits kernel) to record
+    the hidden shape of each call it is traced with; returns that list. Callers clear
+    the caches of the jitted functions under test, so that they trace afresh."""
     from jaxops import linear_mosaic
 
     calls = []
-    real = linear_mosaic.forward_stats
+    real = getattr(linear_mosaic, kernel)
 
     def counted(*args, **kwargs):
         calls.append(args[0].shape)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(linear_mosaic, "forward_stats", counted)
+    monkeypatch.setattr(linear_mosaic, kernel, counted)
     return calls

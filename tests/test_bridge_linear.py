@@ -424,16 +424,23 @@ def test_plan_picks_the_backend_for_the_chunks(backend_choices):
 
 
 def test_fused_forward_in_interpret_mode(monkeypatch):
-    """"pallas_mosaic" runs each window's forward as the fused kernel (`linear_mosaic`,
-    Mosaic GPU's interpreter here) where its shapes allow, as the JAX op does: values
-    and gradients against float64, and the kernel traced once per window size."""
+    """"pallas_mosaic" runs each window's forward as the fused kernel and its backward's
+    d logits with the recomputing one (`linear_mosaic`, Mosaic GPU's interpreter here)
+    where their shapes allow, as the JAX op does: values and gradients against float64,
+    and the kernels traced once per window size (and chunk)."""
     calls = count_fused_forward(monkeypatch)
-    _linear_jaxfns.local_forward.cache_clear()  # trace afresh, with the counting kernel
+    backward_calls = count_fused_forward(monkeypatch, "backward_logits")
+    # trace afresh, with the counting kernels
+    _linear_jaxfns.local_forward.cache_clear()
+    _linear_jaxfns.local_backward.cache_clear()
     check(*make(16, 64, 200, torch.bfloat16, seed=3), temperature=0.8, chunk_size=64,
           implementation="pallas_mosaic")
     assert calls == [(16, 64)], calls
-    calls.clear()  # a mask keeps the chunked forward
+    assert backward_calls and set(backward_calls) == {(16, 64)}, backward_calls
+    calls.clear()  # a mask keeps the chunked forward and backward
+    backward_calls.clear()
     check(*make(16, 64, 208, torch.bfloat16, masked=True, seed=4), chunk_size=64,
           implementation="pallas_mosaic")
-    assert calls == []
+    assert calls == [] and backward_calls == []
     _linear_jaxfns.local_forward.cache_clear()
+    _linear_jaxfns.local_backward.cache_clear()

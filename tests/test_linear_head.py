@@ -130,9 +130,11 @@ def test_pallas_interpret_against_float64(implementation, num_vocab, dtype, mask
 
 
 @pytest.fixture
-def fused_forward_calls(monkeypatch):
-    """Counts the traced calls of the fused forward kernel (`linear_mosaic.forward_stats`)."""
-    calls = count_fused_forward(monkeypatch)
+def fused_calls(monkeypatch):
+    """Counts the traced calls of the fused kernels: {"forward": [...], "backward": [...]}
+    (`linear_mosaic.forward_stats`, `linear_mosaic.backward_logits`)."""
+    calls = {"forward": count_fused_forward(monkeypatch),
+             "backward": count_fused_forward(monkeypatch, "backward_logits")}
     _vjp_jit.clear_cache()
     yield calls
     _vjp_jit.clear_cache()
@@ -144,56 +146,96 @@ def fused_forward_calls(monkeypatch):
     ((8,), 64, 1040, F16, 1.6, (False, True)),  # fp16; 5 tiles, the last part-filled
     ((16,), 64, 4856, BF16, 1.0, (True, True)),  # 19 tiles: 2 chunks of 10, one shared
 ])
-def test_fused_forward_interpret_against_float64(lead, hidden_size, num_vocab, dtype,
-                                                 temperature, flags, fused_forward_calls):
-    """"pallas_mosaic" runs the forward as one fused kernel (`linear_mosaic`, Mosaic GPU's
-    interpreter on CPU, with a jnp dot in place of wgmma there) where its shapes allow
-    (T % 8, H % 64, no mask); values and both gradients against float64."""
+def test_fused_kernels_interpret_against_float64(lead, hidden_size, num_vocab, dtype,
+                                                 temperature, flags, fused_calls):
+    """"pallas_mosaic" runs the forward as one fused kernel and the backward's d logits
+    with the recomputing kernel (`linear_mosaic`, Mosaic GPU's interpreter on CPU, with a
+    jnp dot in place of wgmma there) where their shapes allow (T % 8, H % 64, no mask);
+    values and both gradients against float64."""
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no XLA fallback in the backward
         run_case(lead, hidden_size, num_vocab, dtype, mask=False, temperature=temperature,
                  with_entropy=flags[0], entropy_grad=flags[1], chunk_size=128,
                  implementation="pallas_mosaic", seed=5)
-    assert fused_forward_calls == [(int(np.prod(lead)), hidden_size)]
+    rows = (int(np.prod(lead)), hidden_size)
+    assert fused_calls["forward"] == [rows]
+    # The backward's chunks: a scan body over the full 128-column chunks, then the tail.
+    full, tail = divmod(num_vocab, 128)
+    assert fused_calls["backward"] == [rows] * (bool(full) + bool(tail))
 
 
-def test_fused_forward_only_where_it_applies(fused_forward_calls):
-    """A keep mask, T % 8 != 0 or H % 64 != 0 keep the chunked forward."""
+def test_fused_kernels_only_where_they_apply(fused_calls):
+    """A keep mask, T % 8 != 0 or H % 64 != 0 keep the chunked forward and backward."""
     for lead, hidden_size, mask in (((16,), 64, True), ((12,), 64, False), ((16,), 48, False)):
         run_case(lead, hidden_size, 80, BF16, mask=mask, chunk_size=32,
                  implementation="pallas_mosaic", seed=6)
-    assert fused_forward_calls == []
+    assert fused_calls == {"forward": [], "backward": []}
 
 
-def test_fused_forward_choice(monkeypatch):
-    """"pallas" takes the fused forward on a Hopper+ GPU only (not in interpret mode, not
-    with Triton's `PallasConfig`), and only up to `MAX_FUSED_TOKENS` rows and
-    `MAX_HIDDEN_BYTES` of hidden."""
-    from jaxops import implementations, linear_mosaic
-    from jaxops.linear import _fused_forward
+@pytest.mark.parametrize("num_tokens,num_vocab,dtype,entropy,chunk_v", [
+    (64, 1000, BF16, True, 512),  # 4 tiles, the last part-filled; 2 chunks share one
+    (72, 520, F16, False, 2048),  # T = 72: a part-filled row block; fp16
+    (8, 256, BF16, True, 256),  # one tile
+])
+def test_fused_backward_logits_interpret(num_tokens, num_vocab, dtype, entropy, chunk_v):
+    """`linear_mosaic.backward_logits` (logits recomputed in the kernel; interpret mode)
+    against the XLA statistics' gradient of the same fp32 logits, rounded to the inputs'
+    dtype: at most one rounding step apart, targets off the shard included."""
+    from jaxops import linear_mosaic, xla
+    from jaxops.contract import BackwardCoefs
+
+    k = jax.random.split(jax.random.key(11), 6)
+    hidden = (jax.random.normal(k[0], (num_tokens, 64), F32) * 0.5).astype(dtype)
+    weight = (jax.random.normal(k[1], (num_vocab, 64), F32) / 8).astype(dtype)
+    targets = jax.random.randint(k[2], (num_tokens,), -3, num_vocab + 3)
+    logits = jnp.dot(hidden.astype(F32), weight.astype(F32).T)
+    stats = xla.forward_stats(logits, targets, None, inv_tau=1 / 0.7, with_entropy=True)
+    g = [jax.random.normal(k[3 + i], (num_tokens,), F32) for i in range(3)]
+    coefs = BackwardCoefs(coef_sum=g[0], coef_shifted=g[1] if entropy else None,
+                          coef_target=g[2], coef_masked=None)
+    want = xla.backward_logits(logits, targets, None, stats.max_logit, None, coefs,
+                               inv_tau=1 / 0.7)
+    got = linear_mosaic.backward_logits(hidden, weight, targets, stats.max_logit, coefs,
+                                        inv_tau=1 / 0.7, interpret=True, chunk_v=chunk_v)
+    assert got.shape == (num_tokens, num_vocab) and got.dtype == dtype
+    eps = float(jnp.finfo(dtype).eps)
+    err = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
+    assert np.all(err <= eps * np.abs(np.asarray(want, np.float64)) + 1e-30), err.max()
+
+
+def test_fused_kernels_choice(monkeypatch):
+    """"pallas" takes the fused kernels (forward and backward) on a Hopper+ GPU only (not
+    in interpret mode, not with Triton's `PallasConfig`), for bf16/fp16 without a mask,
+    T % 8, H % 64 and V_loc % 8 == 0: the forward at any T (beyond
+    MAX_ONE_LAUNCH_TOKENS in row groups), the backward up to MAX_FUSED_BACKWARD_TOKENS."""
+    from jaxops import implementations
+    from jaxops.linear import _fused_backward, _fused_forward
     from jaxops.pallas_config import MosaicConfig, PallasConfig
 
     on_gpu = PallasConfig(interpret=False)
-    max_rows = linear_mosaic.MAX_FUSED_TOKENS
-    wide = linear_mosaic.MAX_HIDDEN_BYTES // (max_rows * 2)  # the widest H at max_rows
     monkeypatch.setattr(implementations, "mosaic_available", lambda: True)
-    assert _fused_forward("pallas", on_gpu, None, 4096, 4096, 151936, BF16, False)
-    assert _fused_forward("pallas", on_gpu, MosaicConfig(), 4096, 4096, 151936, BF16, False)
-    assert not _fused_forward("pallas", on_gpu, PallasConfig(), 4096, 4096, 151936, BF16,
-                              False)
-    assert not _fused_forward("pallas", PallasConfig(interpret=True), None, 4096, 4096,
-                              151936, BF16, False)
-    assert _fused_forward("pallas", on_gpu, None, max_rows, wide, 151936, BF16, False)
-    assert not _fused_forward("pallas", on_gpu, None, max_rows, wide + 64, 151936, BF16,
-                              False)
-    assert not _fused_forward("pallas", on_gpu, None, max_rows + 8, 1024, 151936, BF16,
-                              False)
-    assert not _fused_forward("pallas", on_gpu, None, 4096, 4096, 151936, F32, False)
-    assert not _fused_forward("pallas", on_gpu, None, 4096, 4096, 151936, BF16, True)
-    assert not _fused_forward("pallas_triton", on_gpu, None, 4096, 4096, 151936, BF16, False)
-    assert not _fused_forward("xla", None, None, 4096, 4096, 151936, BF16, False)
+    for fused in (_fused_forward, _fused_backward):
+        assert fused("pallas", on_gpu, None, 4096, 4096, 151936, BF16, False)
+        assert fused("pallas", on_gpu, MosaicConfig(), 4096, 4096, 151936, BF16, False)
+    assert _fused_forward("pallas", on_gpu, None, 65536, 8192, 151936, F16, False)
+    assert _fused_backward("pallas", on_gpu, None, 4096, 8192, 151936, F16, False)
+    assert not _fused_backward("pallas", on_gpu, None, 4104, 4096, 151936, BF16, False)
+    for fused in (_fused_forward, _fused_backward):
+        assert not fused("pallas", on_gpu, PallasConfig(), 4096, 4096, 151936, BF16, False)
+        assert not fused("pallas", PallasConfig(interpret=True), None, 4096, 4096, 151936,
+                         BF16, False)
+        assert not fused("pallas", on_gpu, None, 4100, 4096, 151936, BF16, False)
+        assert not fused("pallas", on_gpu, None, 4096, 4100, 151936, BF16, False)
+        assert not fused("pallas", on_gpu, None, 4096, 4096, 151932, BF16, False)
+        assert not fused("pallas", on_gpu, None, 4096, 4096, 151936, F32, False)
+        assert not fused("pallas", on_gpu, None, 4096, 4096, 151936, BF16, True)
+        assert not fused("pallas_triton", on_gpu, None, 4096, 4096, 151936, BF16, False)
+        assert not fused("xla", None, None, 4096, 4096, 151936, BF16, False)
+        assert fused("pallas_mosaic", PallasConfig(interpret=True), None, 8, 64, 8, BF16,
+                     False)
     monkeypatch.setattr(implementations, "mosaic_available", lambda: False)
     assert not _fused_forward("pallas", on_gpu, None, 4096, 4096, 151936, BF16, False)
+    assert not _fused_backward("pallas", on_gpu, None, 4096, 4096, 151936, BF16, False)
 
 
 def test_fused_forward_row_groups_are_bitwise_one_launch():
@@ -211,7 +253,13 @@ def test_fused_forward_row_groups_are_bitwise_one_launch():
             h, w, y, inv_tau=1 / 0.7, with_entropy=True, interpret=True,
             row_group=row_group))(hidden, weight, targets)
 
-    whole, grouped = run(None), run(64)
+    # On the CPU: on a GPU host, jax 0.11.2's Mosaic GPU interpreter fails on a program
+    # with several independent interpreted kernels (an AssertionError in its shared
+    # memory bookkeeping, seen on the H200); the real kernels: test_fused_row_groups_gpu.
+    with jax.default_device(jax.devices("cpu")[0]):
+        hidden, weight, targets = (jax.device_put(a, jax.devices("cpu")[0])
+                                   for a in (hidden, weight, targets))
+        whole, grouped = run(None), run(64)
     for name in ("max_logit", "sum_exp", "sum_exp_shifted", "target_logit"):
         a, b = np.asarray(getattr(whole, name)), np.asarray(getattr(grouped, name))
         assert a.shape == (200,) and np.array_equal(a, b), name
@@ -220,20 +268,64 @@ def test_fused_forward_row_groups_are_bitwise_one_launch():
                                     interpret=True, row_group=100)
 
 
+@pytest.mark.parametrize("kernel", ["forward_stats", "backward_logits"])
 @pytest.mark.parametrize("dtype", [BF16, F16])
-def test_fused_forward_lowers_for_cuda(dtype):
-    """The fused forward's GPU path (wgmma on a transposed weight tile, which the
-    interpreter cannot run) lowers for CUDA at T = H = 4096, V = 151,936: Mosaic GPU
-    checks layouts, transforms, TMA descriptors and shared memory there."""
+def test_fused_kernels_lower_for_cuda(kernel, dtype):
+    """The fused kernels' GPU path (wgmma on a transposed weight tile, which the
+    interpreter cannot run) lowers for CUDA at T = H = 4096 (the backward on a 4096-row
+    chunk of the weight, the forward on V = 151,936 and, at T = 8192, in row groups):
+    Mosaic GPU checks layouts, transforms, TMA descriptors and shared memory there."""
     import functools
 
     from jaxops import linear_mosaic
+    from jaxops.contract import BackwardCoefs
 
     S = jax.ShapeDtypeStruct
-    f = functools.partial(linear_mosaic.forward_stats, inv_tau=1 / 0.7, with_entropy=True)
-    text = jax.jit(f).trace(S((4096, 4096), dtype), S((151936, 4096), dtype),
-                            S((4096,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    vec = S((4096,), F32)
+    if kernel == "forward_stats":
+        f = functools.partial(linear_mosaic.forward_stats, inv_tau=1 / 0.7, with_entropy=True)
+        shapes = [(S((t, 4096), dtype), S((151936, 4096), dtype), S((t,), jnp.int32))
+                  for t in (4096, 8192)]
+    else:
+        f = functools.partial(linear_mosaic.backward_logits, inv_tau=1 / 0.7)
+        shapes = [(S((4096, 4096), dtype), S((4096, 4096), dtype), S((4096,), jnp.int32),
+                   vec, BackwardCoefs(vec, vec, vec, None))]
+    for args in shapes:
+        text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_tokens", [4160, 8192])
+def test_fused_row_groups_gpu(num_tokens):
+    """On the GPU: beyond MAX_ONE_LAUNCH_TOKENS rows the fused forward launches per row
+    group (the default), bitwise the statistics of one launch."""
+    from jaxops import linear_mosaic
+
+    k = jax.random.split(jax.random.key(8), 3)
+    hidden = jax.random.normal(k[0], (num_tokens, 64), F32).astype(BF16)
+    weight = (jax.random.normal(k[1], (1000, 64), F32) / 8).astype(BF16)
+    targets = jax.random.randint(k[2], (num_tokens,), -3, 1003)
+
+    def run(row_group):
+        return jax.jit(lambda h, w, y: linear_mosaic.forward_stats(
+            h, w, y, inv_tau=1 / 0.7, with_entropy=True, row_group=row_group))(
+            hidden, weight, targets)
+
+    whole, grouped = run(None), run(-1)
+    for name in ("max_logit", "sum_exp", "sum_exp_shifted", "target_logit"):
+        a, b = np.asarray(getattr(whole, name)), np.asarray(getattr(grouped, name))
+        assert a.shape == (num_tokens,) and np.array_equal(a, b), name
+
+
+@pytest.mark.gpu
+def test_fused_kernels_gpu_long(fused_calls):
+    """On the GPU, T = 4096 (the fused backward's largest): the op with both fused kernels
+    against float64, d weight included, whose GEMM returns bf16 on this path (one
+    summing over T = 4096 in bf16 would miss it by far more than the tolerance)."""
+    run_case((4096,), 64, 1000, BF16, mask=False, temperature=0.7, chunk_size=384,
+             implementation="pallas_mosaic", seed=9)
+    assert fused_calls == {"forward": [(4096, 64)], "backward": [(4096, 64)] * 2}
 
 
 def test_eager_call():

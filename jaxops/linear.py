@@ -8,12 +8,14 @@ inside the custom VJP:
   forward   for each chunk of columns c: logits_c = hidden @ weight_c.T `[T, C]` (fp32
             accumulation), the implementation's `forward_stats(logits_c)`, merged into
             the running O(T) row statistics (an online log-sum-exp over chunks, the
-            same merge as over vocabulary shards). On Hopper+ GPUs, for T <= 4096 and
+            same merge as over vocabulary shards). On Hopper+ GPUs, for bf16/fp16 and
             no keep mask, instead one Mosaic GPU kernel that folds each wgmma tile of
             logits into the statistics in registers (`linear_mosaic.py`; no chunk of
-            logits in HBM at all).
+            logits in HBM at all; beyond T = 4096 one launch per 2048 rows).
   backward  for each chunk (the narrower tail chunk first): recompute logits_c,
-            `backward_logits` -> d logits_c, then d weight_c = d logits_c^T @ hidden (complete: one GEMM over all T, written
+            `backward_logits` -> d logits_c (on Hopper+, bf16/fp16, no mask, T <= 4096:
+            both in one Mosaic GPU kernel, `linear_mosaic.backward_logits`), then
+            d weight_c = d logits_c^T @ hidden (complete: one GEMM over all T, written
             once) and d hidden += d logits_c @ weight_c (an fp32 `[T, H]` accumulator).
 
 Why chunks of the vocabulary rather than of the tokens: a token chunk re-reads the
@@ -392,9 +394,10 @@ def linear_logprob_entropy(
         chunk; "reference" forms the full logits and runs the reference op (the oracle;
         unsharded, float64-capable). "pallas" on a Hopper+ GPU (and "pallas_mosaic")
         run the forward as one fused GEMM + statistics kernel where
-        `linear_mosaic.applies` (bf16/fp16, no keep mask, T a multiple of 8 and at most
-        4096, H a multiple of 64, hidden at most 64 MiB: where it was measured faster);
-        a Triton `PallasConfig` keeps the chunked forward.
+        `linear_mosaic.applies` (bf16/fp16, no keep mask, T a multiple of 8, H of 64,
+        V_loc of 8), and the backward's d logits with a kernel that recomputes the
+        logits where it also holds and T <= 4096 (where each was measured faster); a
+        Triton `PallasConfig` keeps both chunked.
       chunk_size: vocabulary columns per chunk (any int >= 1; it need not divide
         V_loc). None: `default_chunk_size(T, V_loc)`: fp32 `[T, chunk]` logits of at
         most 1/24 of the bf16 logits' bytes (at least 64 MiB), 128-column aligned.
@@ -406,7 +409,8 @@ def linear_logprob_entropy(
 
     Memory beyond the inputs, outputs and gradients: one chunk of fp32 logits and its
     gradient in the inputs' dtype, `T * chunk_size * 6` bytes for bf16 (8 for fp32;
-    the fused forward holds no chunk, only O(T * V_loc / 2048) partial statistics),
+    the fused forward holds no chunk, only O(T * V_loc / 2048) partial statistics; the
+    fused backward no fp32 chunk, `T * chunk_size * 2`, but see docs/design.md §10),
     plus the fp32 `d hidden` accumulator `T * H * 4` and O(T) floats of statistics;
     never `[T, V_loc]`. With the default chunk (at T * V_loc * 2 / 24 >= 64 MiB) that
     is under 1/16 of the bf16 logits' size plus `T * H * 4`.

@@ -1,28 +1,38 @@
-"""The fused head's forward statistics in one Mosaic GPU kernel (Hopper and newer, issue 13).
+"""The fused head's Mosaic GPU kernels (Hopper and newer, issue 13): the forward statistics
+and the backward's d logits, each computing its logits tiles with wgmma, never storing
+the logits.
 
 `forward_stats(hidden [T, H], weight [V_loc, H], local_targets [T])` returns the
 `LocalStats` of the logits `hidden @ weight.T` (fp32 accumulation) without storing them,
 not even one chunk: each CTA (64 rows, one warpgroup, one chunk of `chunk_v` vocabulary
 columns) computes a [64, block_n] logits tile with wgmma, accumulating over H in
 block_k steps through a TMA pipeline (hidden tile and weight tile in SMEM, the weight
-tile read transposed), and folds the fp32 accumulator straight into its rows' running
-statistics (`pallas_mosaic.fold_tile`, the update the statistics kernel applies to a
-loaded tile). The target's logit is summed in the kernel. Per-chunk partials are folded
-over the chunks as `pallas_mosaic.forward_stats` folds its own (`row_statistics`).
+tile read transposed; `_logits_tile`), and folds the fp32 accumulator straight into its
+rows' running statistics (`pallas_mosaic.fold_tile`, the update the statistics kernel
+applies to a loaded tile). The target's logit is summed in the kernel. Per-chunk
+partials are folded over the chunks as `pallas_mosaic.forward_stats` folds its own
+(`row_statistics`). Beyond MAX_ONE_LAUNCH_TOKENS rows: one launch per ROW_GROUP rows.
 
-Used by `linear.linear_logprob_entropy` for its forward where `applies` says so: no keep
-mask, bf16/fp16, T a multiple of 8, H of 64, T <= MAX_FUSED_TOKENS and `hidden` within
-MAX_HIDDEN_BYTES. The backward stays chunked (`linear.chunked_backward`).
+`backward_logits(hidden, weight_c [C, H], ...)` returns d logits `[T, C]` (bf16/fp16)
+for one chunk of the backward (`linear.chunked_backward`): the same logits tiles, the
+statistics kernels' gradient arithmetic on them in registers
+(`pallas_mosaic.softmax_terms`), stored through SMEM with TMA. It replaces the chunk's
+fp32 logits GEMM and the statistics kernel's pass over them.
+
+`linear.linear_logprob_entropy` takes both where `applies` says so (no keep mask,
+bf16/fp16, T a multiple of 8, H of 64, V_loc of 8), the backward only up to
+MAX_FUSED_BACKWARD_TOKENS rows.
 
 The grid is (chunks, row blocks), row blocks fastest: the CTAs resident at one time
 work on one chunk of the weight, which L2 then serves to all of them. Each CTA re-reads
 its rows of `hidden` per column tile, which costs little only while the resident CTAs
-span all of T. Forward ms on the H200 (benchmarks/NOTES.md, session 16;
-`benchmarks/fused_head_probe.py`), V = 151,936 bf16, this kernel / the chunked forward /
-the bf16 GEMM alone: T = 512, H = 4096: 0.98 / 1.82 / 0.95; T = 1024, H = 4096: 1.84 /
-2.73 / 1.67; T = 2048, H = 8192: 6.88 / 8.60 / 6.41; T = 4096, H = 4096: 7.2 / 8.8 / 6.2;
-T = 4096, H = 8192: 15.1 / 16.6 / 15.0; T = 8192, H = 4096: 17.2 / 17.1 / 14.6;
-T = 16,384, H = 4096: 35.6 / 32.3 / 28.3; T = 16,384, H = 8192: 69.4 / 64.4 / 58.1.
+span enough of T (hence the row groups). Forward ms on the H200, V = 151,936 bf16,
+this kernel / the chunked forward / the bf16 GEMM alone (`benchmarks/fused_head_probe.py`,
+benchmarks/NOTES.md sessions 16-17): T = 512, H = 4096: 0.98 / 1.82 / 0.95; T = 1024,
+H = 4096: 1.84 / 2.73 / 1.67; T = 2048, H = 8192: 6.88 / 8.60 / 6.41; T = 4096,
+H = 4096: 7.2 / 8.8 / 6.2; T = 4096, H = 8192: 15.1 / 16.6 / 15.0; in row groups of 2048
+(one launch in brackets): T = 8192, H = 4096: 15.3 (17.6) / 17.5 / 13.8; T = 16,384,
+H = 4096: 32.4 (36.8) / 33.9 / 29.1; T = 16,384, H = 8192: 64.1 (72.3) / 65.2 / 60.7.
 With the grid the other way round, T = H = 4096 took 17.4 ms: every row block re-read
 the whole weight from HBM (93% of its bandwidth, 25% L2 hits).
 """

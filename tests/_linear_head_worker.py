@@ -7,7 +7,9 @@ Each shard holds rows `[i * V_loc, (i + 1) * V_loc)` of the weight (and the matc
 mask columns); hidden and targets are replicated (`P()`). Values and the gradients to
 hidden and weight, through `jax.vjp` from outside the user's `shard_map`, are compared
 with the unsharded float64 reference, for 2 and 4 shards under check_vma True and
-False; Pallas (interpret mode) under check_vma=False, and its clear error under True.
+False; Pallas (interpret mode) under check_vma=False, and its clear error under True;
+the fused Mosaic GPU kernels (interpret mode) under check_vma=False on a 1-shard mesh
+(see main).
 The compiled HLO's collectives are counted. Last line on success: `RESULT {json}`.
 """
 
@@ -117,6 +119,30 @@ def main():
         report["pallas shards=2 check_vma=True"] = "NotImplementedError"
     else:
         raise AssertionError("Pallas interpret mode under check_vma=True should raise")
+
+    # The fused Mosaic GPU kernels (interpret mode) inside shard_map: T = 16, H = 64,
+    # V = 80 (their shapes: T % 8, H % 64, V_loc % 8), counted to show they ran. On a
+    # 1-shard mesh only: jax 0.10.2's Mosaic GPU interpreter fails, now and then, on its
+    # kernels run by two devices at once ("Barrier remains allocated", seen with either
+    # fused kernel; one device runs them).
+    from jaxops import linear_mosaic
+
+    traced = []
+    for name in ("forward_stats", "backward_logits"):
+        def counted(*args, _real=getattr(linear_mosaic, name), _name=name, **kwargs):
+            traced.append((_name, args[0].shape, args[1].shape))
+            return _real(*args, **kwargs)
+
+        setattr(linear_mosaic, name, counted)
+    fused_cfg = dict(dtype=jnp.bfloat16, mask=False, temperature=0.8, with_entropy=True,
+                     entropy_grad=True, chunk_size=16)
+    fused_data = make_linear_inputs(7, (2, 8), 64, 80, jnp.bfloat16, mask=False)
+    label = "pallas_mosaic (fused kernels) shards=1 check_vma=False bf16"
+    report[label] = check(label, fused_cfg, "pallas_mosaic", mesh_of(1), False, fused_data)
+    # forward once; backward per 16-column chunk: the scan body (5 chunks, no tail)
+    assert sorted(traced) == [("backward_logits", (16, 64), (16, 64)),
+                              ("forward_stats", (16, 64), (80, 64))], traced
+    print(label, report[label], file=sys.stderr, flush=True)
 
     # Collectives: the forward's O(T) pmax + psum; the backward's sum of d hidden.
     num_tokens = int(np.prod(LEAD))

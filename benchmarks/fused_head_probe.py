@@ -9,7 +9,7 @@ Each variant is `block_n,block_k,num_stages[,rc|cr[,chunk_v[,row_group]]]`: rc =
 (rows, chunks), cr = grid (chunks, rows) (the kernel's default); row_group: one launch per
 that many rows (0: one launch), e.g. `256,64,4,cr,2048,4096` at `--shape 16384,4096`. Times: one warm-up call, then the mean
 of 5 calls back to back (harness.time_calls); V = 151,936, bf16, temperature 0.7.
-Session 16's runs on the H200 are in benchmarks/NOTES.md.
+Sessions 16-17's runs on the H200 are in benchmarks/NOTES.md.
 """
 from __future__ import annotations
 

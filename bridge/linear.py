@@ -4,9 +4,10 @@
 JAX computes them `chunk_size` vocabulary columns at a time from DLPack views of torch's
 `hidden` and `weight` (`jaxops/linear_staged.py`, `jaxops/linear.py`), folds them into the
 row statistics and drops them; the backward recomputes each chunk and contracts its
-`d logits` into `d hidden` and `d weight` (docs/design.md §10). The forward of a window
-runs as one fused Mosaic GPU kernel where `jaxops.linear_logprob_entropy`'s would (the
-default "pallas" on Hopper+, bf16/fp16, no mask, window rows <= 4096: `linear_mosaic.py`).
+`d logits` into `d hidden` and `d weight` (docs/design.md §10). A window takes the fused
+Mosaic GPU kernels where `jaxops.linear_logprob_entropy` would (the default "pallas" on
+Hopper+, bf16/fp16, no mask; `linear_mosaic.py`): its forward as one fused kernel, and,
+for windows of at most 4096 rows, its backward's d logits from the recomputing kernel.
 
 Data flow of one call (R ranks, K packed statistics per token, row windows w of a few
 power-of-two sizes as in `_run.py` / `_windows.py`):

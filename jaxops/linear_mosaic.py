@@ -232,8 +232,7 @@ def forward_stats(hidden, weight, local_targets, *, inv_tau: float, with_entropy
         compiler_params=pm._compiler_params(config),
         interpret=pm._interpret_params() if interpret else False)
     on_shard = (local_targets >= 0) & (local_targets < num_vocab)
-    targets = jnp.pad(jnp.where(on_shard, local_targets, -1).astype(jnp.int32),
-                      (0, padded - num_tokens))
+    targets = pm.padded_targets(local_targets, num_vocab, padded)
     outs = [o[:, :num_tokens] for o in call(hidden, weight, targets)]
     shifted = outs[2] if with_entropy else None
     # One chunk at most holds a row's target (the others add 0): the sum is exact.
@@ -315,9 +314,7 @@ def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoe
         lax.fori_loop(0, per_chunk, column_tile, 0)
         plgpu.wait_smem_to_gmem(0)
 
-    on_shard = (local_targets >= 0) & (local_targets < num_vocab)
-    targets = jnp.pad(jnp.where(on_shard, local_targets, -1).astype(jnp.int32),
-                      (0, padded - num_tokens))
+    targets = pm.padded_targets(local_targets, num_vocab, padded)
     out_shape = (padded, tiles * block_n) if interpret else (num_tokens, num_vocab)
     operands = (hidden, weight, targets, vectors)
     call = plgpu.kernel(

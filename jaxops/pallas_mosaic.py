@@ -554,6 +554,14 @@ def softmax_terms(raw, neg_ref, coef_sum, coef_shifted, *, scale):
     return jnp.exp2(d), coef
 
 
+def padded_targets(local_targets, num_vocab: int, padded: int):
+    """The kernels' int32 target ids `[padded]`: -1 for targets off this shard (which then
+    match no column, not even a padding column) and in the rows past T."""
+    on_shard = (local_targets >= 0) & (local_targets < num_vocab)
+    return jnp.pad(jnp.where(on_shard, local_targets, -1).astype(jnp.int32),
+                   (0, padded - local_targets.shape[0]))
+
+
 def backward_vectors(max_logit, masked_max, coefs: BackwardCoefs, inv_tau, padded: int):
     """The backward kernels' per-row vectors `[n, padded]` float32 (rows past T zero):
     -m log2(e), then the coefficients with 1/tau (and ln 2 for the log2-unit d) folded
@@ -716,10 +724,7 @@ def _backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
 
     vectors = backward_vectors(max_logit, masked_max if masked else None, coefs, inv_tau,
                                padded)
-    pad = [(0, padded - num_tokens)]
-    on_shard = (local_targets >= 0) & (local_targets < num_vocab)
-    # Off-shard targets match no column (-1), not even a padding column.
-    target = jnp.pad(jnp.where(on_shard, local_targets, -1).astype(jnp.int32), pad)
+    target = padded_targets(local_targets, num_vocab, padded)
     num_vectors = vectors.shape[0]
     # The interpreter cannot clip out-of-bounds TMA stores as the GPU does: there the
     # gradient is computed into a tile-aligned array and sliced.

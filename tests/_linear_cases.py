@@ -88,7 +88,7 @@ def check_linear(label, got, data, dtype, *, temperature, with_entropy, entropy_
                               floor=scale * float(np.abs(data["hidden"]).max(initial=0.0))))
 
 
-def count_fused_forward(monkeypatch, kernel: str = "forward_stats") -> list:
+def count_fused_calls(monkeypatch, kernel: str = "forward_stats") -> list:
     """Patch the fused kernel `linear_mosaic.<kernel>` ("forward_stats", the fused
     forward, or "backward_logits", the backward's recomputing d logits kernel) to record
     the hidden shape of each call it is traced with; returns that list. Callers clear

@@ -18,7 +18,7 @@ from bridge import linear as blinear
 
 import _bridge_linear_worker as W
 import _bridge_scenarios as S
-from _linear_cases import count_fused_forward
+from _linear_cases import count_fused_calls
 from _oracle import VALUE_RTOL, grad_rtol
 
 CPU = torch.device("cpu")
@@ -428,8 +428,8 @@ def test_fused_forward_in_interpret_mode(monkeypatch):
     d logits with the recomputing one (`linear_mosaic`, Mosaic GPU's interpreter here)
     where their shapes allow, as the JAX op does: values and gradients against float64,
     and the kernels traced once per window size (and chunk)."""
-    calls = count_fused_forward(monkeypatch)
-    backward_calls = count_fused_forward(monkeypatch, "backward_logits")
+    calls = count_fused_calls(monkeypatch)
+    backward_calls = count_fused_calls(monkeypatch, "backward_logits")
     # trace afresh, with the counting kernels
     _linear_jaxfns.local_forward.cache_clear()
     _linear_jaxfns.local_backward.cache_clear()

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 import jaxops
 from jaxops.linear import default_chunk_size
 
-from _linear_cases import check_linear, count_fused_forward, make_linear_inputs
+from _linear_cases import check_linear, count_fused_calls, make_linear_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
@@ -133,8 +133,8 @@ def test_pallas_interpret_against_float64(implementation, num_vocab, dtype, mask
 def fused_calls(monkeypatch):
     """Counts the traced calls of the fused kernels: {"forward": [...], "backward": [...]}
     (`linear_mosaic.forward_stats`, `linear_mosaic.backward_logits`)."""
-    calls = {"forward": count_fused_forward(monkeypatch),
-             "backward": count_fused_forward(monkeypatch, "backward_logits")}
+    calls = {"forward": count_fused_calls(monkeypatch),
+             "backward": count_fused_calls(monkeypatch, "backward_logits")}
     _vjp_jit.clear_cache()
     yield calls
     _vjp_jit.clear_cache()

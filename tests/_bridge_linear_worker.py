@@ -27,16 +27,20 @@ CASES = {  # name: (T, dtype, masked, temperature, entropy mode, chunk_size)
     "bf16": (6, "bfloat16", False, 1.0, "grad", None),
     "f32_fwd_entropy": (5, "float32", False, 1.3, "fwd", 2),
     "f32_no_entropy": (5, "float32", True, 1.0, "off", None),
+    # the fused Mosaic GPU kernels (interpret mode) need T % 8, H % 64, V_loc % 8: 48
+    # columns per rank in chunks of 16
+    "bf16_fused": (16, "bfloat16", False, 0.8, "grad", 16),
 }
+FUSED = {"bf16_fused": dict(implementation="pallas_mosaic", hidden_size=64, v_local=48)}
 
 
-def make_inputs(T, dtype, masked, world, seed=0):
+def make_inputs(T, dtype, masked, world, seed=0, hidden_size=HIDDEN, v_local=V_LOCAL):
     import torch
 
     gen = torch.Generator().manual_seed(seed)
-    V = world * V_LOCAL
-    hidden = torch.randn(T, HIDDEN, generator=gen).to(getattr(torch, dtype))
-    weight = (torch.randn(V, HIDDEN, generator=gen) * 0.6).to(getattr(torch, dtype))
+    V = world * v_local
+    hidden = torch.randn(T, hidden_size, generator=gen).to(getattr(torch, dtype))
+    weight = (torch.randn(V, hidden_size, generator=gen) * 0.6).to(getattr(torch, dtype))
     y = torch.randint(0, V, (T,), generator=gen)
     if T > 1:
         y[0], y[1] = 0, V - 1  # first and last shard
@@ -100,8 +104,13 @@ def run_case(name, group, rank, world):
     import bridge
 
     T, dtype, masked, tau, entropy, chunk = CASES[name]
-    hidden_full, weight_full, y, mask_full, g_lp, g_h = make_inputs(T, dtype, masked, world)
-    rows = slice(rank * V_LOCAL, (rank + 1) * V_LOCAL)
+    fused = FUSED.get(name, {})
+    implementation = fused.get("implementation")
+    v_local = fused.get("v_local", V_LOCAL)
+    hidden_full, weight_full, y, mask_full, g_lp, g_h = make_inputs(
+        T, dtype, masked, world, hidden_size=fused.get("hidden_size", HIDDEN), v_local=v_local)
+    rows = slice(rank * v_local, (rank + 1) * v_local)
+    traced = _count_fused_kernels() if fused else None
     weight = weight_full[rows].clone().requires_grad_()  # its own, aligned memory
     mask = None if mask_full is None else mask_full[:, rows].contiguous()
     with_entropy, entropy_grad = entropy != "off", entropy == "grad"
@@ -125,7 +134,7 @@ def run_case(name, group, rank, world):
         lp, h = bridge.linear_logprob_entropy(
             inp, weight, y, process_group=group, keep_mask=mask, temperature=tau,
             with_entropy=with_entropy, entropy_grad=entropy_grad, chunk_size=chunk,
-            reduce_hidden_grad=reduce)
+            reduce_hidden_grad=reduce, implementation=implementation)
         err = float((lp.double() - lp_r).detach().abs().max())
         assert err <= 1e-5 * scale, f"log_prob error {err:.3g} (reduce={reduce})"
         if with_entropy:
@@ -147,8 +156,33 @@ def run_case(name, group, rank, world):
                 bridge.linear_logprob_entropy(
                     hidden, weight, y, process_group=group, keep_mask=mask,
                     temperature=tau, with_entropy=with_entropy, entropy_grad=entropy_grad,
-                    chunk_size=chunk)[0], hidden, g_lp)
+                    chunk_size=chunk, implementation=implementation)[0], hidden, g_lp)
             assert rel_err(part, dh_r_lp) > 0.05, "d hidden was summed over ranks by default"
+    if traced is not None:
+        # the forward kernel on the whole shard; the backward one on the 16-column chunks
+        assert set(traced) == {("forward_stats", (T, 64), (v_local, 64)),
+                               ("backward_logits", (T, 64), (16, 64))}, traced
+
+
+def _count_fused_kernels() -> list:
+    """Record (kernel, hidden shape, weight shape) for each trace of the fused kernels
+    (`linear_mosaic.forward_stats` and `backward_logits`) from now on, after clearing the
+    bridge's caches of traced functions so that they trace afresh."""
+    from bridge import _linear_jaxfns
+    from jaxops import linear_mosaic
+
+    traced = []
+    for name in ("forward_stats", "backward_logits"):
+        real = getattr(linear_mosaic, name)
+
+        def counted(*args, _real=real, _name=name, **kwargs):
+            traced.append((_name, tuple(args[0].shape), tuple(args[1].shape)))
+            return _real(*args, **kwargs)
+
+        setattr(linear_mosaic, name, counted)
+    _linear_jaxfns.local_forward.cache_clear()
+    _linear_jaxfns.local_backward.cache_clear()
+    return traced
 
 
 def extra_checks(group, rank, world):

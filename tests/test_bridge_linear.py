@@ -363,7 +363,8 @@ def test_out_of_range_target_is_nan_by_default():
 def test_vocab_parallel_gloo_two_ranks(tmp_path):
     """TP = 2: values, d weight per shard, d hidden with reduce_hidden_grad True (the op
     sums) and False (Megatron's copy-to-region autograd sums; the op alone does not),
-    collective counts, T = 0, unequal shards."""
+    collective counts, T = 0, unequal shards; "pallas_mosaic" runs both fused kernels
+    (Mosaic GPU's interpreter) on each rank's shard."""
     failures = W.spawn(2, str(tmp_path))
     assert not failures, "\n".join(failures)
 

@@ -471,7 +471,8 @@ def test_bad_calls(call, error, fragment):
 
 def test_vocab_parallel_in_subprocess():
     """tests/_linear_head_worker.py on 4 fake CPU devices: 2 and 4 shards, check_vma True
-    and False, values and d hidden / d weight vs float64; the backward's collectives."""
+    and False, values and d hidden / d weight vs float64; the backward's collectives; the
+    fused Mosaic GPU kernels (interpret mode) on 2 shards."""
     env = dict(os.environ)
     flags = [f for f in env.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]

@@ -164,25 +164,16 @@ def run_case(name, group, rank, world):
                                ("backward_logits", (T, 64), (16, 64))}, traced
 
 
+
 def _count_fused_kernels() -> list:
-    """Record (kernel, hidden shape, weight shape) for each trace of the fused kernels
-    (`linear_mosaic.forward_stats` and `backward_logits`) from now on, after clearing the
-    bridge's caches of traced functions so that they trace afresh."""
+    """`_linear_cases.record_fused_traces`, with the bridge's caches of traced functions
+    cleared so that they trace afresh."""
+    from _linear_cases import record_fused_traces
     from bridge import _linear_jaxfns
-    from jaxops import linear_mosaic
 
-    traced = []
-    for name in ("forward_stats", "backward_logits"):
-        real = getattr(linear_mosaic, name)
-
-        def counted(*args, _real=real, _name=name, **kwargs):
-            traced.append((_name, tuple(args[0].shape), tuple(args[1].shape)))
-            return _real(*args, **kwargs)
-
-        setattr(linear_mosaic, name, counted)
     _linear_jaxfns.local_forward.cache_clear()
     _linear_jaxfns.local_backward.cache_clear()
-    return traced
+    return record_fused_traces()
 
 
 def extra_checks(group, rank, world):

@@ -104,3 +104,20 @@ def count_fused_calls(monkeypatch, kernel: str = "forward_stats") -> list:
 
     monkeypatch.setattr(linear_mosaic, kernel, counted)
     return calls
+
+
+def record_fused_traces(set_attr=setattr) -> list:
+    """Wrap both fused kernels (`linear_mosaic.forward_stats` and `backward_logits`) with
+    `set_attr` (a test's `monkeypatch.setattr`, or plain `setattr` in a worker process)
+    so that each trace appends (kernel name, hidden shape, weight shape) to the returned
+    list. Callers clear the caches of the jitted functions under test first."""
+    from jaxops import linear_mosaic
+
+    traced = []
+    for name in ("forward_stats", "backward_logits"):
+        def counted(*args, _real=getattr(linear_mosaic, name), _name=name, **kwargs):
+            traced.append((_name, tuple(args[0].shape), tuple(args[1].shape)))
+            return _real(*args, **kwargs)
+
+        set_attr(linear_mosaic, name, counted)
+    return traced

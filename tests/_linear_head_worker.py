@@ -37,7 +37,7 @@ from jax.sharding import AxisType  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxops  # noqa: E402
-from _linear_cases import check_linear, make_linear_inputs  # noqa: E402
+from _linear_cases import check_linear, make_linear_inputs, record_fused_traces  # noqa: E402
 from _sharding_cases import collectives  # noqa: E402
 
 LEAD, HIDDEN, VOCAB = (2, 3), 12, 40  # T = 6; V_loc = 20 or 10
@@ -147,16 +147,8 @@ def main():
     # The fused Mosaic GPU kernels (interpret mode) inside shard_map on 2 shards: T = 16,
     # H = 64, V_loc = 80 (their shapes: T % 8, H % 64, V_loc % 8), chunks of 24 columns
     # (3 in the scan, then an 8-column tail), counted to show they ran.
-    from jaxops import linear_mosaic
-
     _serialize_interpreter_barrier_check()
-    traced = []
-    for name in ("forward_stats", "backward_logits"):
-        def counted(*args, _real=getattr(linear_mosaic, name), _name=name, **kwargs):
-            traced.append((_name, args[0].shape, args[1].shape))
-            return _real(*args, **kwargs)
-
-        setattr(linear_mosaic, name, counted)
+    traced = record_fused_traces()
     fused_cfg = dict(dtype=jnp.bfloat16, mask=False, temperature=0.8, with_entropy=True,
                      entropy_grad=True, chunk_size=24)
     fused_data = make_linear_inputs(7, (2, 8), 64, 160, jnp.bfloat16, mask=False)

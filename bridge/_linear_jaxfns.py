@@ -86,6 +86,7 @@ def local_backward(*, shard_index, inv_tau, with_entropy, entropy_grad, masked,
             implementation=implementation, config=config, chunk=chunk,
             want_d_hidden=want_d_hidden, want_d_weight=d_weight_mode == "direct",
             fused_logits=fused_wanted and fused_backward_fits(
-                hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.dtype, masked))
+                hidden.shape[0], hidden.shape[1], weight.shape[0], hidden.dtype, masked,
+                chunk))
 
     return jax.jit(fn, donate_argnums=(6,) if d_weight_mode == "accumulate" else ())

@@ -305,13 +305,17 @@ def fused_forward_wanted(impl: str, config, pallas_config=None) -> bool:
     return impl == "pallas_mosaic"
 
 
-def fused_backward_fits(num_tokens, hidden_size, num_vocab, dtype, masked) -> bool:
+def fused_backward_fits(num_tokens, hidden_size, num_vocab, dtype, masked,
+                        chunk: int | None = None) -> bool:
     """Whether the backward's d logits come from `linear_mosaic.backward_logits` for
     these shapes (where the fused kernels are wanted): where the fused forward fits, up
-    to `linear_mosaic.MAX_FUSED_BACKWARD_TOKENS` rows."""
+    to `linear_mosaic.MAX_FUSED_BACKWARD_TOKENS` rows, with `chunk` (the backward's
+    vocabulary columns per call; None: all V_loc at once) a multiple of 8 as the
+    kernel's weight rows must be (the tail is then one too, as V_loc is)."""
     from jaxops import linear_mosaic
 
     return (num_tokens <= linear_mosaic.MAX_FUSED_BACKWARD_TOKENS
+            and (chunk is None or chunk % 8 == 0)
             and linear_mosaic.applies(num_tokens, hidden_size, num_vocab, dtype, masked))
 
 
@@ -330,10 +334,10 @@ def _fused_forward(impl, config, pallas_config, num_tokens, hidden_size, num_voc
 
 
 def _fused_backward(impl, config, pallas_config, num_tokens, hidden_size, num_vocab, dtype,
-                    masked) -> bool:
+                    masked, chunk=None) -> bool:
     """`fused_forward_wanted` and `fused_backward_fits` this call's shapes."""
     return (fused_forward_wanted(impl, config, pallas_config)
-            and fused_backward_fits(num_tokens, hidden_size, num_vocab, dtype, masked))
+            and fused_backward_fits(num_tokens, hidden_size, num_vocab, dtype, masked, chunk))
 
 
 def _check_linear(hidden, weight, chunk_size, implementation):
@@ -439,9 +443,9 @@ def linear_logprob_entropy(
 
     num_tokens = int(np.prod(lead_shape))
     chunk = chunk_columns(num_tokens, num_vocab, chunk_size)
-    fused = [decide(impl, config, pallas_config, num_tokens, hidden.shape[-1], num_vocab,
-                    hidden.dtype, keep_mask is not None)
-             for decide in (_fused_forward, _fused_backward)]
+    shapes = (num_tokens, hidden.shape[-1], num_vocab, hidden.dtype, keep_mask is not None)
+    fused = (_fused_forward(impl, config, pallas_config, *shapes),
+             _fused_backward(impl, config, pallas_config, *shapes, chunk))
     # The kernels read one chunk's fp32 logits [T, chunk] at a time, and the keep mask as
     # bool (below), whatever its dtype here: "pallas" picks its backend for those.
     impl, config = implementations.for_call(

@@ -128,10 +128,12 @@ def _logits_tile(h_ref, w_ref, row_block, tile, *, hidden_size: int, block_n: in
     return pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32))
 
 
-def _check_operands(hidden, block_k: int, what: str):
-    if hidden.shape[1] % block_k or hidden.shape[0] % 8:
-        raise ValueError(f"fused {what}: T % 8 and H % {block_k} must be 0, got hidden "
-                         f"{hidden.shape}")
+def _check_operands(hidden, weight, block_k: int, what: str):
+    """The shapes TMA and the SMEM tiling need (`applies`), as a clear error: Mosaic
+    GPU's own, at lowering, names a tiling rather than the argument."""
+    if hidden.shape[1] % block_k or hidden.shape[0] % 8 or weight.shape[0] % 8:
+        raise ValueError(f"fused {what}: T % 8, H % {block_k} and the weight's rows % 8 "
+                         f"must be 0, got hidden {hidden.shape}, weight {weight.shape}")
 
 
 def forward_stats(hidden, weight, local_targets, *, inv_tau: float, with_entropy: bool,
@@ -166,7 +168,7 @@ def forward_stats(hidden, weight, local_targets, *, inv_tau: float, with_entropy
                                num_stages=num_stages, grid_order=grid_order, row_group=None)
                  for start in range(0, num_tokens, row_group)]
         return jax.tree.map(lambda *groups: jnp.concatenate(groups), *parts)
-    _check_operands(hidden, block_k, "forward")
+    _check_operands(hidden, weight, block_k, "forward")
     config = MosaicConfig(block_v=block_n, chunk_v=chunk_v, num_stages=num_stages,
                           interpret=interpret)
     tiles, chunks, per_chunk = pm._chunking(num_vocab, block_n, chunk_v)
@@ -259,7 +261,7 @@ def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoe
     hidden `[T, H]`, weight `[V_loc, H]` (bf16/fp16, T % 8 == 0, H % block_k == 0),
     local_targets `[T]` shard-local ids, max_logit `[T]` (units of logits / tau),
     coefs `[T]` each (`contract.BackwardCoefs`, no masked coefficient)."""
-    _check_operands(hidden, block_k, "backward")
+    _check_operands(hidden, weight, block_k, "backward")
     if coefs.coef_masked is not None:
         raise ValueError("linear_mosaic.backward_logits takes no keep mask")
     num_tokens, hidden_size = hidden.shape

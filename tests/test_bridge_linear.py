@@ -18,7 +18,7 @@ from bridge import linear as blinear
 
 import _bridge_linear_worker as W
 import _bridge_scenarios as S
-from _linear_cases import count_fused_calls
+from _linear_cases import record_fused_traces
 from _oracle import VALUE_RTOL, grad_rtol
 
 CPU = torch.device("cpu")
@@ -200,13 +200,26 @@ def test_entropy_gradient_alone():
 
 
 def test_process_group_of_one_equals_none():
-    hidden, weight, y, mask, *_ = make(7, 8, 12, masked=True, seed=7)
+    """A gloo group of one rank (TP = 1): values and both gradients bitwise those of no
+    group, with either `reduce_hidden_grad`, for the chunked path and (interpret mode)
+    the fused kernels."""
+    cases = [(make(7, 8, 12, masked=True, seed=7), None),
+             (make(16, 64, 48, torch.bfloat16, seed=8), "pallas_mosaic")]
     with S.one_rank_group("gloo", timeout_s=60) as pg:
-        for reduce in (False, True):
-            a = bridge.linear_logprob_entropy(hidden, weight, y, keep_mask=mask)
-            b = bridge.linear_logprob_entropy(hidden, weight, y, keep_mask=mask,
-                                              process_group=pg, reduce_hidden_grad=reduce)
-            assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+        for (hidden, weight, y, mask, g_lp, g_h), implementation in cases:
+            for reduce in (False, True):
+                results = []
+                for group in (None, pg):
+                    h_in = hidden.clone().requires_grad_()
+                    w_in = weight.clone().requires_grad_()
+                    lp, ent = bridge.linear_logprob_entropy(
+                        h_in, w_in, y, keep_mask=mask, process_group=group,
+                        reduce_hidden_grad=reduce, chunk_size=16,
+                        implementation=implementation)
+                    grads = torch.autograd.grad([lp, ent], [h_in, w_in], [g_lp, g_h])
+                    results.append((lp, ent, *grads))
+                assert all(torch.equal(a, b) for a, b in zip(*results)), (implementation,
+                                                                        reduce)
 
 
 def test_varying_t_compiles_a_bounded_set():
@@ -424,24 +437,53 @@ def test_plan_picks_the_backend_for_the_chunks(backend_choices):
             width, 4)
 
 
-def test_fused_forward_in_interpret_mode(monkeypatch):
+@pytest.fixture
+def fused_traces(monkeypatch):
+    """The fused kernels' traces, (kernel, hidden shape, weight shape) each
+    (`_linear_cases.record_fused_traces`), with the bridge's caches of traced functions
+    cleared before and after, so that they trace afresh with the recording kernels."""
+    _linear_jaxfns.local_forward.cache_clear()
+    _linear_jaxfns.local_backward.cache_clear()
+    yield record_fused_traces(monkeypatch.setattr)
+    _linear_jaxfns.local_forward.cache_clear()
+    _linear_jaxfns.local_backward.cache_clear()
+
+
+def test_fused_forward_in_interpret_mode(fused_traces):
     """"pallas_mosaic" runs each window's forward as the fused kernel and its backward's
     d logits with the recomputing one (`linear_mosaic`, Mosaic GPU's interpreter here)
     where their shapes allow, as the JAX op does: values and gradients against float64,
     and the kernels traced once per window size (and chunk)."""
-    calls = count_fused_calls(monkeypatch)
-    backward_calls = count_fused_calls(monkeypatch, "backward_logits")
-    # trace afresh, with the counting kernels
-    _linear_jaxfns.local_forward.cache_clear()
-    _linear_jaxfns.local_backward.cache_clear()
     check(*make(16, 64, 200, torch.bfloat16, seed=3), temperature=0.8, chunk_size=64,
           implementation="pallas_mosaic")
-    assert calls == [(16, 64)], calls
-    assert backward_calls and set(backward_calls) == {(16, 64)}, backward_calls
-    calls.clear()  # a mask keeps the chunked forward and backward
-    backward_calls.clear()
+    # one window of 16 rows; the backward: the 64-column chunks' scan body and the tail,
+    # traced for each of `check`'s two cotangents (log-prob alone: no entropy term)
+    assert sorted(fused_traces) == [("backward_logits", (16, 64), (8, 64))] * 2 + [
+        ("backward_logits", (16, 64), (64, 64))] * 2 + [
+        ("forward_stats", (16, 64), (200, 64))], fused_traces
+    fused_traces.clear()  # a mask keeps the chunked forward and backward
     check(*make(16, 64, 208, torch.bfloat16, masked=True, seed=4), chunk_size=64,
           implementation="pallas_mosaic")
-    assert calls == [] and backward_calls == []
-    _linear_jaxfns.local_forward.cache_clear()
-    _linear_jaxfns.local_backward.cache_clear()
+    assert fused_traces == []
+    # chunks that are not a multiple of 8 columns keep the chunked backward
+    check(*make(16, 64, 80, torch.bfloat16, seed=5), chunk_size=20,
+          implementation="pallas_mosaic")
+    assert fused_traces == [("forward_stats", (16, 64), (80, 64))]
+
+
+@pytest.mark.parametrize("dtype,with_entropy,entropy_grad", [
+    (torch.bfloat16, True, True), (torch.float16, True, False), (torch.float16, False, False)])
+def test_fused_kernels_over_two_windows(dtype, with_entropy, entropy_grad, fused_traces):
+    """T = 24: windows of 16 and 8 rows, each through both fused kernels, d weight summed
+    over the windows (the accumulating path of `chunked_backward` with the fused d
+    logits), for each entropy mode and fp16; against float64, every trace counted."""
+    check(*make(24, 64, 80, dtype, seed=9), temperature=1.2, chunk_size=32,
+          with_entropy=with_entropy, entropy_grad=entropy_grad,
+          implementation="pallas_mosaic")
+    # per window: the forward; the backward's 32-column scan body and 16-column tail,
+    # for each of `check`'s cotangents (two with the entropy's gradient)
+    backwards = 2 if with_entropy and entropy_grad else 1
+    want = sorted([("forward_stats", (rows, 64), (80, 64)) for rows in (16, 8)]
+                  + [("backward_logits", (rows, 64), (cols, 64))
+                     for rows in (16, 8) for cols in (32, 16)] * backwards)
+    assert sorted(fused_traces) == want, fused_traces

@@ -140,14 +140,17 @@ def fused_calls(monkeypatch):
     _vjp_jit.clear_cache()
 
 
-@pytest.mark.parametrize("lead,hidden_size,num_vocab,dtype,temperature,flags", [
-    ((16,), 64, 200, BF16, 0.7, (True, True)),  # V_loc < one 256-column tile
-    ((2, 36), 128, 600, BF16, 1.0, (True, False)),  # T = 72: a part-filled row block
-    ((8,), 64, 1040, F16, 1.6, (False, True)),  # fp16; 5 tiles, the last part-filled
-    ((16,), 64, 4856, BF16, 1.0, (True, True)),  # 19 tiles: 2 chunks of 10, one shared
+@pytest.mark.parametrize("lead,hidden_size,num_vocab,dtype,temperature,flags,chunk", [
+    ((16,), 64, 200, BF16, 0.7, (True, True), 128),  # V_loc < one 256-column tile
+    ((2, 36), 128, 600, BF16, 0.6, (True, False), 128),  # T = 72: a part-filled row block
+    ((8,), 64, 1040, F16, 1.6, (False, True), 128),  # fp16; 5 tiles, the last part-filled
+    ((16,), 64, 80, F16, 0.7, (True, True), 128),  # fp16 with the entropy's gradient
+    ((16,), 64, 4856, BF16, 1.0, (True, True), 128),  # 19 tiles: 2 chunks of 10, one shared
+    # backward chunks of 512 columns (2 full tiles per call), then an 88-column tail
+    ((2, 8), 64, 600, BF16, 1.3, (False, True), 512),
 ])
 def test_fused_kernels_interpret_against_float64(lead, hidden_size, num_vocab, dtype,
-                                                 temperature, flags, fused_calls):
+                                                 temperature, flags, chunk, fused_calls):
     """"pallas_mosaic" runs the forward as one fused kernel and the backward's d logits
     with the recomputing kernel (`linear_mosaic`, Mosaic GPU's interpreter on CPU, with a
     jnp dot in place of wgmma there) where their shapes allow (T % 8, H % 64, no mask);
@@ -155,21 +158,62 @@ def test_fused_kernels_interpret_against_float64(lead, hidden_size, num_vocab, d
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # no XLA fallback in the backward
         run_case(lead, hidden_size, num_vocab, dtype, mask=False, temperature=temperature,
-                 with_entropy=flags[0], entropy_grad=flags[1], chunk_size=128,
+                 with_entropy=flags[0], entropy_grad=flags[1], chunk_size=chunk,
                  implementation="pallas_mosaic", seed=5)
     rows = (int(np.prod(lead)), hidden_size)
     assert fused_calls["forward"] == [rows]
-    # The backward's chunks: a scan body over the full 128-column chunks, then the tail.
-    full, tail = divmod(num_vocab, 128)
+    # The backward's chunks: a scan body over the full chunks, then the tail.
+    full, tail = divmod(num_vocab, chunk)
     assert fused_calls["backward"] == [rows] * (bool(full) + bool(tail))
 
 
+def test_fused_row_groups_and_chunked_backward_through_the_op(monkeypatch, fused_calls):
+    """Beyond MAX_ONE_LAUNCH_TOKENS the fused forward runs in row groups of ROW_GROUP, and
+    beyond MAX_FUSED_BACKWARD_TOKENS the backward takes the chunked path: both through
+    the op, with the thresholds lowered to interpret-mode sizes (T = 136 = 2 x 64 + 8),
+    values and gradients against float64."""
+    from jaxops import linear_mosaic
+
+    for name in ("MAX_ONE_LAUNCH_TOKENS", "ROW_GROUP", "MAX_FUSED_BACKWARD_TOKENS"):
+        monkeypatch.setattr(linear_mosaic, name, 64)
+    run_case((136,), 64, 80, BF16, mask=False, temperature=0.7, chunk_size=32,
+             implementation="pallas_mosaic", seed=8)
+    # the call, then one per row group (traced through the module's patched name)
+    assert fused_calls["forward"] == [(136, 64), (64, 64), (64, 64), (8, 64)]
+    assert fused_calls["backward"] == []
+
+
 def test_fused_kernels_only_where_they_apply(fused_calls):
-    """A keep mask, T % 8 != 0 or H % 64 != 0 keep the chunked forward and backward."""
+    """A keep mask, T % 8 != 0 or H % 64 != 0 keep the chunked forward and backward; a
+    `chunk_size` that is not a multiple of 8 keeps the chunked backward (on the GPU the
+    kernel's weight rows must be; the fused forward takes the whole shard)."""
     for lead, hidden_size, mask in (((16,), 64, True), ((12,), 64, False), ((16,), 48, False)):
         run_case(lead, hidden_size, 80, BF16, mask=mask, chunk_size=32,
                  implementation="pallas_mosaic", seed=6)
     assert fused_calls == {"forward": [], "backward": []}
+    run_case((16,), 64, 80, BF16, mask=False, chunk_size=20, implementation="pallas_mosaic",
+             seed=6)
+    assert fused_calls == {"forward": [(16, 64)], "backward": []}
+
+
+def test_fused_kernels_reject_shapes_they_cannot_tile():
+    """Called directly with shapes `applies` refuses, the kernels raise a clear error
+    (Mosaic GPU's own, at lowering on the GPU, names an SMEM tiling instead)."""
+    from jaxops import linear_mosaic
+    from jaxops.contract import BackwardCoefs
+
+    vec = jnp.zeros((16,), F32)
+    hidden, targets = jnp.zeros((16, 64), BF16), jnp.zeros((16,), jnp.int32)
+    for weight in (jnp.zeros((100, 64), BF16), jnp.zeros((20, 64), BF16)):
+        with pytest.raises(ValueError, match="weight's rows % 8"):
+            linear_mosaic.backward_logits(hidden, weight, targets, vec,
+                                          BackwardCoefs(vec, vec, vec, None), inv_tau=1.0)
+        with pytest.raises(ValueError, match="weight's rows % 8"):
+            linear_mosaic.forward_stats(hidden, weight, targets, inv_tau=1.0,
+                                        with_entropy=True)
+    with pytest.raises(ValueError, match="T % 8"):
+        linear_mosaic.forward_stats(jnp.zeros((12, 64), BF16), jnp.zeros((80, 64), BF16),
+                                    targets[:12], inv_tau=1.0, with_entropy=True)
 
 
 @pytest.mark.parametrize("num_tokens,num_vocab,dtype,entropy,chunk_v", [
@@ -220,6 +264,9 @@ def test_fused_kernels_choice(monkeypatch):
     assert _fused_forward("pallas", on_gpu, None, 65536, 8192, 151936, F16, False)
     assert _fused_backward("pallas", on_gpu, None, 4096, 8192, 151936, F16, False)
     assert not _fused_backward("pallas", on_gpu, None, 4104, 4096, 151936, BF16, False)
+    # the backward's chunks are the kernel's weight rows: a multiple of 8 (or all V_loc)
+    assert _fused_backward("pallas", on_gpu, None, 4096, 4096, 151936, BF16, False, 4096)
+    assert not _fused_backward("pallas", on_gpu, None, 4096, 4096, 151936, BF16, False, 100)
     for fused in (_fused_forward, _fused_backward):
         assert not fused("pallas", on_gpu, PallasConfig(), 4096, 4096, 151936, BF16, False)
         assert not fused("pallas", PallasConfig(interpret=True), None, 4096, 4096, 151936,

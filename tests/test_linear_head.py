@@ -115,17 +115,26 @@ def test_out_of_range_target_under_jit_is_nan():
     assert np.isnan(log_prob[3]) and np.isfinite(np.delete(log_prob, 3)).all(), log_prob
 
 
-@pytest.mark.parametrize("implementation,num_vocab,dtype,mask,chunk", [
-    ("pallas", 40, F32, True, 4), ("pallas", 40, BF16, False, 3),
+@pytest.mark.parametrize("implementation,lead,hidden_size,num_vocab,dtype,mask,flags,chunk", [
+    ("pallas", (6,), 16, 40, F32, True, (True, True), 4),
+    ("pallas", (6,), 16, 40, BF16, False, (True, True), 3),
+    # leading dims, H and V multiples of nothing, fp16 without the entropy; T = 1; the
+    # entropy without its gradient
+    ("pallas", (2, 3), 19, 45, F16, True, (False, False), 7),
+    ("pallas", (1,), 16, 40, BF16, True, (True, True), 16),
+    ("pallas", (6,), 16, 40, F32, False, (True, False), 8),
     # Mosaic chunks must be multiples of 16 columns (8 for fp32 without a mask): 80 =
     # 2 chunks of 32 + a tail of 16, all taken by the kernels (no XLA fallback).
-    ("pallas_mosaic", 80, F32, True, 32), ("pallas_mosaic", 80, BF16, False, 32)])
-def test_pallas_interpret_against_float64(implementation, num_vocab, dtype, mask, chunk):
+    ("pallas_mosaic", (6,), 16, 80, F32, True, (True, True), 32),
+    ("pallas_mosaic", (6,), 16, 80, BF16, False, (True, True), 32)])
+def test_pallas_interpret_against_float64(implementation, lead, hidden_size, num_vocab, dtype,
+                                          mask, flags, chunk):
     with warnings.catch_warnings():
         # A fallback to XLA (a RuntimeWarning) would not test the kernels. Only that
         # category: on a GPU, jax 0.11's Triton lowering warns that it is deprecated.
         warnings.simplefilter("error", RuntimeWarning)
-        run_case((6,), 16, num_vocab, dtype, mask=mask, temperature=0.7, chunk_size=chunk,
+        run_case(lead, hidden_size, num_vocab, dtype, mask=mask, temperature=0.7,
+                 with_entropy=flags[0], entropy_grad=flags[1], chunk_size=chunk,
                  implementation=implementation, seed=3)
 
 

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxops import implementations, validate
+from jaxops import implementations, stats, validate
 from jaxops.combine import combine, shard_targets, unflatten
 from jaxops.contract import LocalStats, backward_coefs, varying_axes
 from jaxops.pallas_config import PallasConfig
@@ -224,7 +224,6 @@ def chunked_backward(hidden, weight, local_targets, keep_mask, max_logit, masked
     dtype (no fp32 `[C, H]` either: see the body).
     Returns (d hidden `[T, H]` in hidden's dtype or None without `want_d_hidden`,
     d weight or None)."""
-    kernels = implementations.kernels(implementation)
     acc = jnp.promote_types(weight.dtype, jnp.float32)
     compute = jnp.promote_types(hidden.dtype, weight.dtype)
     if d_weight is not None:
@@ -243,15 +242,13 @@ def chunked_backward(hidden, weight, local_targets, keep_mask, max_logit, masked
         # bf16 logits is: an fp32 operand would turn both into fp32 GEMMs (~10x slower).
         # The kernel rounds them as it stores them: no fp32 [T, C] array, no pass over it.
         if fused_logits:
-            from jaxops import linear_mosaic
-
-            d_logits = linear_mosaic.backward_logits(
-                hidden, weight_c, targets_c, max_logit, coefs, inv_tau=inv_tau,
-                out_dtype=compute, interpret=bool(getattr(config, "interpret", False)))
+            d_logits = _fused_backward_logits(hidden, weight_c, targets_c, max_logit, coefs,
+                                              inv_tau=inv_tau, out_dtype=compute,
+                                              config=config)
         else:
-            d_logits = kernels.backward_logits(
-                _logits(hidden, weight_c), targets_c, mask_c, max_logit, masked_max, coefs,
-                inv_tau=inv_tau, config=config, out_dtype=compute)  # [T, C]
+            d_logits = stats.backward_logits(
+                implementation, _logits(hidden, weight_c), targets_c, mask_c, max_logit,
+                masked_max, coefs, inv_tau=inv_tau, config=config, out_dtype=compute)  # [T, C]
         if d_hidden is not None:
             d_hidden = d_hidden + _dot(d_logits, weight_c, ((1,), (0,)), acc)
         if out_weight is not None:
@@ -276,6 +273,26 @@ def chunked_backward(hidden, weight, local_targets, keep_mask, max_logit, masked
     d_hidden, out_weight = _over_columns(body, (d_hidden, out_weight), weight, keep_mask,
                                          local_targets, chunk, tail_first=True)
     return (None if d_hidden is None else d_hidden.astype(hidden.dtype)), out_weight
+
+
+def _fused_backward_logits(hidden, weight_c, targets_c, max_logit, coefs, *, inv_tau,
+                           out_dtype, config):
+    """d logits `[T, C]` from `linear_mosaic.backward_logits` (the logits recomputed in
+    the kernel), differentiable through XLA's `backward_logits` of the same logits
+    (`stats.with_xla_derivative`)."""
+    from jaxops import linear_mosaic, xla
+
+    def kernel(hidden, weight_c, targets_c, max_logit, coefs):
+        return linear_mosaic.backward_logits(
+            hidden, weight_c, targets_c, max_logit, coefs, inv_tau=inv_tau,
+            out_dtype=out_dtype, interpret=bool(getattr(config, "interpret", False)))
+
+    def jnp_fn(hidden, weight_c, targets_c, max_logit, coefs):
+        return xla.backward_logits(_logits(hidden, weight_c), targets_c, None, max_logit,
+                                   None, coefs, inv_tau=inv_tau, out_dtype=out_dtype)
+
+    return stats.with_xla_derivative(kernel, jnp_fn)(hidden, weight_c, targets_c, max_logit,
+                                                      coefs)
 
 
 def _linear_local_stats_bwd(inv_tau, with_entropy, entropy_grad, implementation, config,

@@ -12,6 +12,10 @@ entropy, log-prob), and it lets the backward recompute every probability from th
 logits and the saved maxima: O(T) residuals, no saved softmax, one write of the
 gradient. The work is done by the implementation's `forward_stats` and
 `backward_logits` (`contract.py`), looked up by name in `implementations.py`.
+
+A gradient of the gradient differentiates the backward itself: for the Pallas kernels,
+which JAX cannot differentiate, `backward_logits` here lends them XLA's derivative
+(`with_xla_derivative`), so every implementation gives the same second order.
 """
 
 from __future__ import annotations
@@ -55,10 +59,47 @@ def _local_stats_bwd(inv_tau, with_entropy, entropy_grad, implementation, config
                      residuals, cotangents: LocalStats):
     logits, local_targets, keep_mask, max_logit, masked_max = residuals
     coefs = backward_coefs(cotangents, with_entropy and entropy_grad, keep_mask is not None)
-    dlogits = implementations.kernels(implementation).backward_logits(
-        logits, local_targets, keep_mask, max_logit, masked_max, coefs,
-        inv_tau=inv_tau, config=config)
+    dlogits = backward_logits(implementation, logits, local_targets, keep_mask, max_logit,
+                              masked_max, coefs, inv_tau=inv_tau, config=config)
     return dlogits, None, None
 
 
 local_stats.defvjp(_local_stats_fwd, _local_stats_bwd)
+
+
+def backward_logits(implementation: str, logits, local_targets, keep_mask, max_logit,
+                    masked_max, coefs, *, inv_tau, config, out_dtype=None):
+    """`implementation`'s `backward_logits`, differentiable: a Pallas kernel gets the
+    derivative of `xla.backward_logits` (`with_xla_derivative`), so that a gradient of
+    the op's gradient (a Hessian-vector product, a gradient penalty) works with every
+    implementation, not only the jnp ones."""
+    kernel = implementations.kernels(implementation).backward_logits
+    if not implementations.is_pallas(implementation):
+        return kernel(logits, local_targets, keep_mask, max_logit, masked_max, coefs,
+                      inv_tau=inv_tau, config=config, out_dtype=out_dtype)
+    from jaxops import xla
+
+    def run(with_kernel, *args):
+        fn = kernel if with_kernel else xla.backward_logits
+        return fn(*args, inv_tau=inv_tau, config=config if with_kernel else None,
+                  out_dtype=out_dtype)
+
+    return with_xla_derivative(functools.partial(run, True), functools.partial(run, False))(
+        logits, local_targets, keep_mask, max_logit, masked_max, coefs)
+
+
+def with_xla_derivative(kernel, jnp_fn):
+    """`kernel` (a Pallas call, which JAX cannot differentiate) with the derivative of
+    `jnp_fn`, a jnp function of the same arguments computing the same values to
+    rounding. Only a gradient *of the backward* differentiates these: the op's own
+    custom VJPs never do, so first-order gradients run the kernels alone."""
+    @jax.custom_jvp
+    def call(*args):
+        return kernel(*args)
+
+    @call.defjvp
+    def call_jvp(primals, tangents):
+        _, tangent_out = jax.jvp(jnp_fn, primals, tangents)
+        return call(*primals), tangent_out
+
+    return call

@@ -595,3 +595,45 @@ def test_pallas_picks_its_backend_for_the_chunks(backend_choices):
                                       implementation="xla")
         assert (backend_choices[-1]["num_vocab"], backend_choices[-1]["itemsize"]) == (
             width, 4)
+
+
+# ------------------------------------------------------------------ second order
+
+@pytest.mark.parametrize("implementation,dtype,tol", [
+    ("xla", F32, 1e-5), ("pallas", F32, 1e-5),
+    # the fused kernels (interpret mode): bf16 d logits in the backward's GEMMs (4e-3 seen)
+    ("pallas_mosaic", BF16, 2e-2)])
+def test_gradient_of_the_gradient(implementation, dtype, tol, fused_calls):
+    """A Hessian-vector product (the gradient of <d loss / d hidden, v>, to hidden and
+    weight) through every implementation against float64 `reference` on the same
+    rounded inputs: the Pallas kernels' backward carries XLA's derivative
+    (`stats.with_xla_derivative`), which JAX cannot take of a Pallas call."""
+    T, H, V = 16, 64, 80
+    k = jax.random.split(jax.random.key(12), 4)
+    hidden = (jax.random.normal(k[0], (T, H), F32) * 0.5).astype(dtype)
+    weight = (jax.random.normal(k[1], (V, H), F32) * 0.3).astype(dtype)
+    targets = jax.random.randint(k[2], (T,), 0, V)
+    v = jax.random.normal(k[3], (T, H), F32)
+    weights_lp, weights_h = jnp.linspace(-1.0, 2.0, T), jnp.cos(jnp.arange(T))
+
+    def hvp(implementation, hidden, weight):
+        def loss(hidden, weight):
+            lp, ent = jaxops.linear_logprob_entropy(
+                hidden, weight, targets, temperature=0.7, chunk_size=32,
+                implementation=implementation)
+            return (lp * weights_lp).sum() + 0.3 * (ent * weights_h).sum()
+
+        def directional(hidden, weight):
+            d_hidden = jax.grad(loss)(hidden, weight)
+            return (d_hidden.astype(v.dtype) * v.astype(d_hidden.dtype)).sum()
+
+        return jax.jit(jax.grad(directional, argnums=(0, 1)))(hidden, weight)
+
+    got = hvp(implementation, hidden, weight)
+    want = hvp("reference", hidden.astype(jnp.float64), weight.astype(jnp.float64))
+    for name, a, b in zip(("hidden", "weight"), got, want):
+        a, b = np.asarray(a, np.float64), np.asarray(b)
+        err = np.linalg.norm(a - b) / np.linalg.norm(b)
+        assert err <= tol, f"second order to {name}: relative error {err:.3g}"
+    if implementation == "pallas_mosaic":
+        assert fused_calls["forward"] and fused_calls["backward"]

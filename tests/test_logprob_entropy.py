@@ -418,6 +418,33 @@ def test_reference_check_grads_float64():
         check_grads(op, (to_float64(logits),), order=1, modes=("fwd", "rev"))
 
 
+@pytest.mark.parametrize("implementation,mask", [
+    ("xla", "mixed"), ("pallas", "mixed"), ("pallas_mosaic", "mixed"), ("pallas_mosaic", None)])
+def test_gradient_of_the_gradient(implementation, mask):
+    """A Hessian-vector product (the gradient of <d loss / d logits, v>) through every
+    implementation against float64 `reference`: the Pallas kernels' backward carries
+    XLA's derivative (`stats.with_xla_derivative`), which JAX cannot take of a Pallas
+    call."""
+    logits, targets, keep_mask = make_inputs(5, (8,), 64, mask=mask)
+    v = jax.random.normal(jax.random.key(13), logits.shape, F32)
+
+    def hvp(implementation, logits):
+        def loss(x):
+            lp, ent = jaxops.logprob_entropy(x, targets, keep_mask=keep_mask, temperature=0.8,
+                                             implementation=implementation)
+            return (lp * jnp.arange(8)).sum() + 0.3 * (ent * jnp.cos(jnp.arange(8))).sum()
+
+        return jax.jit(jax.grad(lambda x: (jax.grad(loss)(x) * v.astype(x.dtype)).sum()))(
+            logits)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a fallback to XLA tests no kernel
+        got = np.asarray(hvp(implementation, logits), np.float64)
+    want = np.asarray(hvp("reference", to_float64(logits)))
+    err = np.linalg.norm(got - want) / np.linalg.norm(want)
+    assert err <= 1e-5, f"relative error {err:.3g}"
+
+
 # --------------------------------------------------------------------------- masks
 
 

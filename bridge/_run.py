@@ -40,12 +40,13 @@ _LITTLE_ENDIAN = sys.byteorder == "little"
 # ------------------------------------------------------------------- tensors for JAX
 
 def check_shareable(name, t):
-    """[T, V] tensors are shared with JAX as they are, or not at all."""
+    """Large tensors ([T, V] logits, hidden, weight, masks) are shared with JAX as they
+    are, or not at all."""
     if not t.is_contiguous():
         raise ValueError(
             f"{name} must be contiguous (row-major) to be shared with JAX without a copy; "
             f"got strides {t.stride()} for shape {tuple(t.shape)}. The bridge does not copy "
-            f"a [T, V] tensor silently: call {name}.contiguous() yourself if a copy is fine.")
+            f"{name} silently: call {name}.contiguous() yourself if a copy is fine.")
 
 
 def check_aligned(name, t, alignment):
@@ -53,7 +54,7 @@ def check_aligned(name, t, alignment):
         raise ValueError(
             f"{name} starts at an address that is not {alignment}-byte aligned (a view at "
             f"element offset {t.storage_offset()}), which JAX cannot share without a copy. "
-            f"The bridge does not copy a [T, V] tensor silently: pass {name}.clone() if a "
+            f"The bridge does not copy {name} silently: pass {name}.clone() if a "
             f"copy is fine.")
 
 

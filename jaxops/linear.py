@@ -103,7 +103,8 @@ def _over_columns(body, carry, weight, keep_mask, local_targets, chunk: int,
     over vocabulary chunks of `chunk` columns: a scan over the full chunks, then the
     shorter tail (nothing padded), or the tail first with `tail_first`. `targets_c` are
     the local targets shifted to the chunk (outside [0, C): the target is in another
-    chunk, as for another shard)."""
+    chunk, as for another shard). `mask_c` is bool whatever the mask's dtype (uint8:
+    nonzero = kept), converted in the slice's own pass."""
     num_vocab = weight.shape[0]
     num_full, tail = divmod(num_vocab, chunk)
 
@@ -115,6 +116,8 @@ def _over_columns(body, carry, weight, keep_mask, local_targets, chunk: int,
         else:
             weight_c = weight[start:start + size]
             mask_c = None if keep_mask is None else keep_mask[:, start:start + size]
+        if mask_c is not None:
+            mask_c = mask_c.astype(jnp.bool_)
         return body(carry, start, weight_c, mask_c, local_targets - start)
 
     if tail and tail_first:
@@ -170,15 +173,16 @@ def _linear_local_stats(hidden, weight, local_targets, keep_mask, inv_tau, with_
                         entropy_grad, implementation, config, chunk, fused_forward=False,
                         fused_backward=False):
     """`stats.local_stats(hidden @ weight.T, ...)`, vocabulary chunk by chunk, or with
-    `fused_forward` in one Mosaic GPU kernel (`linear_mosaic`, no keep mask).
-    `fused_backward`: the backward's d logits from `linear_mosaic.backward_logits`."""
+    `fused_forward` in one Mosaic GPU kernel (`linear_mosaic`).
+    `fused_backward`: the backward's d logits from `linear_mosaic.backward_logits`.
+    keep_mask `[T, V_loc]` bool or uint8 (nonzero = kept) or None."""
     del entropy_grad
     if fused_forward:
         from jaxops import linear_mosaic
 
         return linear_mosaic.forward_stats(
-            hidden, weight, local_targets, inv_tau=inv_tau, with_entropy=with_entropy,
-            interpret=bool(getattr(config, "interpret", False)))
+            hidden, weight, local_targets, keep_mask, inv_tau=inv_tau,
+            with_entropy=with_entropy, interpret=bool(getattr(config, "interpret", False)))
     kernels = implementations.kernels(implementation)
 
     def body(acc, start, weight_c, mask_c, targets_c):
@@ -337,10 +341,11 @@ def fused_backward_fits(num_tokens, hidden_size, num_vocab, dtype, masked,
 
 
 def fused_forward_fits(num_tokens, hidden_size, num_vocab, dtype, masked) -> bool:
-    """`linear_mosaic.applies`, imported on first use (it loads Mosaic GPU's Pallas)."""
+    """`linear_mosaic.forward_applies`, imported on first use (it loads Mosaic GPU's
+    Pallas)."""
     from jaxops import linear_mosaic
 
-    return linear_mosaic.applies(num_tokens, hidden_size, num_vocab, dtype, masked)
+    return linear_mosaic.forward_applies(num_tokens, hidden_size, num_vocab, dtype, masked)
 
 
 def _fused_forward(impl, config, pallas_config, num_tokens, hidden_size, num_vocab, dtype,
@@ -473,12 +478,14 @@ def linear_logprob_entropy(
         return empty, (empty if with_entropy else None)
     flat_hidden = jnp.reshape(hidden, (num_tokens, hidden.shape[-1]))
     flat_targets = jnp.reshape(targets, (num_tokens,))
-    flat_mask = None if keep_mask is None else jnp.reshape(
-        keep_mask, (num_tokens, num_vocab)).astype(jnp.bool_)  # uint8: nonzero = kept
+    # bool or uint8 (nonzero = kept), as given: the chunks convert their slices to bool
+    # (`_over_columns`), the fused forward reads bytes.
+    flat_mask = None if keep_mask is None else jnp.reshape(keep_mask, (num_tokens, num_vocab))
 
     if impl == "reference":
         log_prob, entropy = logprob_entropy_reference(
-            _logits(flat_hidden, weight), flat_targets, flat_mask, tau, with_entropy,
+            _logits(flat_hidden, weight), flat_targets,
+            None if flat_mask is None else flat_mask.astype(jnp.bool_), tau, with_entropy,
             entropy_grad)
     else:
         if axis_name is not None:

@@ -84,6 +84,22 @@ def applies(num_tokens: int, hidden_size: int, num_vocab: int, dtype, masked: bo
             and hidden_size % BLOCK_K == 0 and num_vocab % 8 == 0)
 
 
+# The fused forward with a keep mask (`forward_stats(..., keep_mask=)`): written and
+# tested on the CPU (Mosaic GPU's interpreter; lowered for CUDA) in session 18, when no
+# GPU was lent; `forward_applies` takes masks only once this is True, i.e. once it has
+# run and been timed on the GPU against the chunked forward (benchmarks/NOTES.md).
+MASKED_FORWARD = False
+
+
+def forward_applies(num_tokens: int, hidden_size: int, num_vocab: int, dtype,
+                    masked: bool) -> bool:
+    """Whether the fused forward takes this call: `applies` without a mask; with one,
+    where MASKED_FORWARD and V_loc % 16 == 0 (the uint8 mask's 16-byte TMA row
+    stride)."""
+    return (applies(num_tokens, hidden_size, num_vocab, dtype, False)
+            and (not masked or (MASKED_FORWARD and num_vocab % 16 == 0)))
+
+
 def _operand_transforms(block_k: int, itemsize: int):
     """SMEM tiling + swizzle of the hidden and weight tiles ([rows, block_k]): 64 bf16
     columns take a 128-byte swizzle."""
@@ -136,15 +152,21 @@ def _check_operands(hidden, weight, block_k: int, what: str):
                          f"must be 0, got hidden {hidden.shape}, weight {weight.shape}")
 
 
-def forward_stats(hidden, weight, local_targets, *, inv_tau: float, with_entropy: bool,
-                  interpret: bool = False, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
-                  chunk_v: int = CHUNK_V, num_stages: int = NUM_STAGES,
-                  grid_order: str = "chunks,rows", row_group: int | None = -1
-                  ) -> LocalStats:
-    """`LocalStats` of logits = hidden @ weight.T (fp32 accumulation), no keep mask.
+def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: float,
+                  with_entropy: bool, interpret: bool = False, block_n: int = BLOCK_N,
+                  block_k: int = BLOCK_K, chunk_v: int = CHUNK_V,
+                  num_stages: int = NUM_STAGES, grid_order: str = "chunks,rows",
+                  row_group: int | None = -1) -> LocalStats:
+    """`LocalStats` of logits = hidden @ weight.T (fp32 accumulation).
 
     hidden `[T, H]`, weight `[V_loc, H]` (bf16 or fp16, T a multiple of 8, H of block_k),
-    local_targets `[T]` int32 shard-local ids (outside [0, V_loc): not on this shard).
+    local_targets `[T]` int32 shard-local ids (outside [0, V_loc): not on this shard),
+    keep_mask `[T, V_loc]` bool or uint8 (nonzero = kept; V_loc % 16 == 0) or None. With
+    a mask, each logits tile's mask tile comes by TMA while its wgmma loop runs, and the
+    kept statistics are an online max and sum of their own (`pallas_mosaic.fold_tile`
+    on the kept columns: a second exponential per element, but no second pass for rows
+    whose kept maximum is far below their maximum, as the statistics kernel needs).
+    A bool mask costs one XLA pass to bytes (`pallas_mosaic._mask_bytes`).
     `grid_order` "rows,chunks" exists for the probe's comparison only (see above).
     `row_group` (a multiple of 64): one kernel launch per group of that many rows; None:
     one launch; -1 (default): ROW_GROUP rows per launch where T > MAX_ONE_LAUNCH_TOKENS.
@@ -156,19 +178,26 @@ def forward_stats(hidden, weight, local_targets, *, inv_tau: float, with_entropy
     chunking and the statistics; the wgmma path is checked on the GPU."""
     num_tokens, hidden_size = hidden.shape
     num_vocab = weight.shape[0]
+    if keep_mask is not None:
+        keep_mask = pm._mask_bytes(keep_mask)  # once, before any row groups
     if row_group == -1:
         row_group = ROW_GROUP if num_tokens > MAX_ONE_LAUNCH_TOKENS else None
     if row_group is not None and num_tokens > row_group:
         if row_group % _ROWS:
             raise ValueError(f"row_group must be a multiple of {_ROWS}, got {row_group}")
         parts = [forward_stats(hidden[start:start + row_group], weight,
-                               local_targets[start:start + row_group], inv_tau=inv_tau,
+                               local_targets[start:start + row_group],
+                               None if keep_mask is None
+                               else keep_mask[start:start + row_group], inv_tau=inv_tau,
                                with_entropy=with_entropy, interpret=interpret,
                                block_n=block_n, block_k=block_k, chunk_v=chunk_v,
                                num_stages=num_stages, grid_order=grid_order, row_group=None)
                  for start in range(0, num_tokens, row_group)]
         return jax.tree.map(lambda *groups: jnp.concatenate(groups), *parts)
     _check_operands(hidden, weight, block_k, "forward")
+    masked = keep_mask is not None
+    if masked and num_vocab % 16:
+        raise ValueError(f"fused forward: a keep mask needs V_loc % 16 == 0, got {num_vocab}")
     config = MosaicConfig(block_v=block_n, chunk_v=chunk_v, num_stages=num_stages,
                           interpret=interpret)
     tiles, chunks, per_chunk = pm._chunking(num_vocab, block_n, chunk_v)
@@ -177,46 +206,69 @@ def forward_stats(hidden, weight, local_targets, *, inv_tau: float, with_entropy
     tile_fn = functools.partial(_logits_tile, hidden_size=hidden_size, block_n=block_n,
                                 block_k=block_k, num_stages=num_stages, interpret=interpret)
     inv_tau = float(inv_tau)
-    num_out = 3 + with_entropy  # max, sum[, shifted], target logit
+    # max, sum[, shifted][, kept max, kept sum], target logit
+    num_out = 3 + with_entropy + 2 * masked
     grid_names = tuple(grid_order.split(","))
     if sorted(grid_names) != ["chunks", "rows"]:
         raise ValueError(f"grid_order must name rows and chunks, got {grid_order!r}")
+    mask_transforms, read_mask = pm._mask_reader(num_tokens, num_vocab, block_n, masked,
+                                                 config)
 
     def kernel(h_ref, w_ref, t_ref, *refs):
+        refs = list(refs)
+        m_ref = refs.pop(0) if masked else None
         out_refs, smem_refs = refs[:num_out], refs[num_out:2 * num_out]
-        target_smem, barrier = refs[2 * num_out:]
+        target_smem, barrier, *mask_scratch = refs[2 * num_out:]
         row_block = lax.axis_index("rows")
         chunk = lax.axis_index("chunks")
         first_tile, first_owned = pm._chunk_start(chunk, tiles, per_chunk)
-        pm.copy_targets(t_ref, pl.ds(row_block * _ROWS, _ROWS), target_smem, barrier.at[0],
-                        False)
+        rows = pl.ds(row_block * _ROWS, _ROWS)
+        pm.copy_targets(t_ref, rows, target_smem, barrier.at[0], False)
         plgpu.barrier_wait(barrier.at[0])
         target = pm.read_targets(target_smem, False, config)
         shape = (_ROWS, block_n)
 
-        def stats_update(j, acc, stats):
-            row_max, sum_exp, shifted, target_sum = stats
+        def stats_update(j, acc, stats, keep):
+            row_max, sum_exp, shifted, kept_max, kept_sum, target_sum = stats
             cols = (first_tile + j) * block_n + pm._layout(
                 lax.broadcasted_iota(jnp.int32, shape, 1), plgpu.Layout.WGMMA, config)
             # Tiles shared with the previous chunk and columns past V_loc (zero-filled
             # by TMA on the GPU, NaN in the interpreter) are left out.
             in_vocab = (cols >= first_owned * block_n) & (cols < num_vocab)
-            row_max, sum_exp, shifted, _, _ = pm.fold_tile(
-                jnp.where(in_vocab, acc, pm._EXCLUDED), row_max, sum_exp, shifted,
-                inv_tau=inv_tau)
+            raw = jnp.where(in_vocab, acc, pm._EXCLUDED)
+            row_max, sum_exp, shifted, _, _ = pm.fold_tile(raw, row_max, sum_exp, shifted,
+                                                           inv_tau=inv_tau)
+            if keep is not None:
+                kept_max, kept_sum, _, _, _ = pm.fold_tile(
+                    jnp.where(keep, raw, pm._EXCLUDED), kept_max, kept_sum, None,
+                    inv_tau=inv_tau)
             hit = (cols == pm._per_col(target, shape)) & in_vocab
             target_sum = target_sum + jnp.where(hit, acc, 0.0).sum(axis=1)
-            return row_max, sum_exp, shifted, target_sum
+            return row_max, sum_exp, shifted, kept_max, kept_sum, target_sum
 
         def column_tile(j, stats):
-            return stats_update(j, tile_fn(h_ref, w_ref, row_block, first_tile + j), stats)
+            tile = first_tile + j
+            keep = None
+            if masked:
+                mask_smem, mask_barrier = mask_scratch
+                # The previous tile's mask reads are done in every warp before TMA
+                # overwrites the slot (commit_smem ends in a warpgroup barrier); the
+                # copy then runs under this tile's wgmma loop.
+                plgpu.commit_smem()
+                plgpu.copy_gmem_to_smem(m_ref.at[rows, pl.ds(tile * block_n, block_n)],
+                                        mask_smem, mask_barrier.at[0])
+            acc = tile_fn(h_ref, w_ref, row_block, tile)
+            if masked:
+                plgpu.barrier_wait(mask_barrier.at[0])
+                keep = read_mask(mask_smem)
+            return stats_update(j, acc, stats, keep)
 
         neg = pm._row_vector(NEG, jnp.float32, config)
         zero = pm._row_vector(0.0, jnp.float32, config)
-        stats = (neg, zero, zero if with_entropy else None, zero)
+        stats = (neg, zero, zero if with_entropy else None, neg if masked else None,
+                 zero if masked else None, zero)
         stats = lax.fori_loop(0, per_chunk, column_tile, stats)
         results = [s for s in stats if s is not None]
-        rows = pl.ds(row_block * _ROWS, _ROWS)
         for smem, value in zip(smem_refs, results):
             smem[...] = value
         plgpu.commit_smem()
@@ -224,25 +276,38 @@ def forward_stats(hidden, weight, local_targets, *, inv_tau: float, with_entropy
             plgpu.copy_smem_to_gmem(smem, out.at[chunk, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    part = varying_struct((chunks, padded), jnp.float32, hidden, weight, local_targets)
+    mask_bytes = keep_mask
+    operands = [o for o in (hidden, weight, local_targets, mask_bytes) if o is not None]
+    part = varying_struct((chunks, padded), jnp.float32, *operands)
+    mask_scratch = [plgpu.SMEM((_ROWS, block_n), jnp.uint8, transforms=mask_transforms),
+                    plgpu.Barrier(num_arrivals=1, num_barriers=1)] if masked else []
     call = plgpu.kernel(
         kernel, out_type=[part] * num_out,
         scratch_types=[plgpu.SMEM((_ROWS,), jnp.float32)] * num_out
-        + [pm.target_smem(False), plgpu.Barrier(num_arrivals=1, num_barriers=1)],
+        + [pm.target_smem(False), plgpu.Barrier(num_arrivals=1, num_barriers=1)]
+        + mask_scratch,
         grid=tuple(dict(rows=row_blocks, chunks=chunks)[n] for n in grid_names),
         grid_names=grid_names,
         compiler_params=pm._compiler_params(config),
         interpret=pm._interpret_params() if interpret else False)
     on_shard = (local_targets >= 0) & (local_targets < num_vocab)
     targets = pm.padded_targets(local_targets, num_vocab, padded)
-    outs = [o[:, :num_tokens] for o in call(hidden, weight, targets)]
-    shifted = outs[2] if with_entropy else None
+    outs = [o[:, :num_tokens]
+            for o in call(hidden, weight, targets, *([mask_bytes] if masked else []))]
+    row_max, sum_exp = outs.pop(0), outs.pop(0)
+    shifted = outs.pop(0) if with_entropy else None
     # One chunk at most holds a row's target (the others add 0): the sum is exact.
-    target_raw = outs[-1].sum(axis=0)
-    max_logit, sum_exp, sum_exp_shifted = pm.row_statistics(outs[0], outs[1], shifted,
+    target_raw = outs.pop().sum(axis=0)
+    max_logit, sum_exp, sum_exp_shifted = pm.row_statistics(row_max, sum_exp, shifted,
                                                             inv_tau)
+    masked_max = masked_sum_exp = None
+    if masked:
+        safe_target = jnp.where(on_shard, local_targets, 0).astype(jnp.int32)
+        masked_max, masked_sum_exp = pm.kept_statistics(
+            *outs, target_raw, mask_bytes, safe_target, on_shard, inv_tau)
     return LocalStats(max_logit, sum_exp, sum_exp_shifted,
-                      jnp.where(on_shard, target_raw * inv_tau, 0.0), None, None)
+                      jnp.where(on_shard, target_raw * inv_tau, 0.0), masked_max,
+                      masked_sum_exp)
 
 
 def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoefs, *,

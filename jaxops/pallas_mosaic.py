@@ -521,21 +521,30 @@ def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
 
     masked_max = masked_sum_exp = None
     if masked:
-        kept_max, kept_sum = outs
-        kept_max, kept_sum, _ = _combine(
-            [(kept_max[c], kept_sum[c], None) for c in range(chunks)], inv_tau)
-        # The target always counts as kept: fold it in where its mask bit is off.
-        target_kept = jnp.take_along_axis(keep_mask, safe_target, axis=1)[:, 0] != 0
-        target_alone = on_shard & ~target_kept
-        target_raw = jnp.where(target_alone, jnp.maximum(raw_target, _EXCLUDED), _EXCLUDED)
-        total_max, total_sum, _ = _combine(
-            [(kept_max, kept_sum, None),
-             (target_raw, jnp.where(target_alone, 1.0, 0.0), None)], inv_tau)
-        none_kept = total_max <= NEG
-        masked_max = jnp.where(none_kept, -jnp.inf, total_max * inv_tau)
-        masked_sum_exp = jnp.where(none_kept, 0.0, total_sum)
+        masked_max, masked_sum_exp = kept_statistics(
+            *outs, raw_target, keep_mask, safe_target[:, 0], on_shard, inv_tau)
     return LocalStats(max_logit, sum_exp, sum_exp_shifted, target_logit,
                       masked_max, masked_sum_exp)
+
+
+def kept_statistics(kept_max, kept_sum, raw_target, keep_mask, safe_target, on_shard,
+                    inv_tau):
+    """`LocalStats`' masked_max and masked_sum_exp from the per-chunk partials (raw kept
+    max, sum of 2^d relative to it), each [chunks, T], folded over the chunks, with the
+    target counted as kept where its mask bit is off. raw_target [T] float32 (the
+    target's raw logit), keep_mask [T, V_loc], safe_target [T] int32 (a column in range),
+    on_shard [T] bool. Also the fused head's (`linear_mosaic.forward_stats`)."""
+    kept_max, kept_sum, _ = _combine(
+        [(kept_max[c], kept_sum[c], None) for c in range(kept_max.shape[0])], inv_tau)
+    target_kept = jnp.take_along_axis(keep_mask, safe_target[:, None], axis=1)[:, 0] != 0
+    target_alone = on_shard & ~target_kept
+    target_raw = jnp.where(target_alone, jnp.maximum(raw_target, _EXCLUDED), _EXCLUDED)
+    total_max, total_sum, _ = _combine(
+        [(kept_max, kept_sum, None),
+         (target_raw, jnp.where(target_alone, 1.0, 0.0), None)], inv_tau)
+    none_kept = total_max <= NEG
+    return (jnp.where(none_kept, -jnp.inf, total_max * inv_tau),
+            jnp.where(none_kept, 0.0, total_sum))
 
 
 # --- backward ----------------------------------------------------------------------------

@@ -471,6 +471,17 @@ def test_fused_forward_in_interpret_mode(fused_traces):
     assert fused_traces == [("forward_stats", (16, 64), (80, 64))]
 
 
+def test_fused_forward_with_mask_when_switched_on(monkeypatch, fused_traces):
+    """With `linear_mosaic.MASKED_FORWARD` on (off until it has run on a GPU), a bool
+    torch mask takes the fused forward kernel (the backward stays chunked)."""
+    from jaxops import linear_mosaic
+
+    monkeypatch.setattr(linear_mosaic, "MASKED_FORWARD", True)
+    check(*make(16, 64, 80, torch.bfloat16, masked=True, seed=10), temperature=0.9,
+          chunk_size=32, implementation="pallas_mosaic")
+    assert fused_traces == [("forward_stats", (16, 64), (80, 64))]
+
+
 @pytest.mark.parametrize("dtype,with_entropy,entropy_grad", [
     (torch.bfloat16, True, True), (torch.float16, True, False), (torch.float16, False, False)])
 def test_fused_kernels_over_two_windows(dtype, with_entropy, entropy_grad, fused_traces):

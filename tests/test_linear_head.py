@@ -294,34 +294,113 @@ def test_fused_kernels_choice(monkeypatch):
     assert not _fused_backward("pallas", on_gpu, None, 4096, 4096, 151936, BF16, False)
 
 
-def test_fused_forward_row_groups_are_bitwise_one_launch():
+@pytest.mark.parametrize("masked", [False, True])
+def test_fused_forward_row_groups_are_bitwise_one_launch(masked):
     """`row_group` (one launch per group of rows) gives bitwise the statistics of one
-    launch: rows are independent and the 64-row blocks are the same."""
+    launch: rows are independent and the 64-row blocks are the same (with a keep mask
+    too, its rows cut with the hidden rows)."""
     from jaxops import linear_mosaic
 
-    k = jax.random.split(jax.random.key(7), 3)
+    k = jax.random.split(jax.random.key(7), 4)
     hidden = jax.random.normal(k[0], (200, 64), F32).astype(BF16)  # 200 = 3 x 64 + 8
-    weight = (jax.random.normal(k[1], (600, 64), F32) / 8).astype(BF16)
-    targets = jax.random.randint(k[2], (200,), -3, 603)
+    weight = (jax.random.normal(k[1], (608, 64), F32) / 8).astype(BF16)
+    targets = jax.random.randint(k[2], (200,), -3, 611)
+    mask = (jax.random.uniform(k[3], (200, 608)) < 0.3) if masked else None
 
     def run(row_group):
-        return jax.jit(lambda h, w, y: linear_mosaic.forward_stats(
-            h, w, y, inv_tau=1 / 0.7, with_entropy=True, interpret=True,
-            row_group=row_group))(hidden, weight, targets)
+        return jax.jit(lambda h, w, y, m: linear_mosaic.forward_stats(
+            h, w, y, m, inv_tau=1 / 0.7, with_entropy=True, interpret=True,
+            row_group=row_group))(hidden, weight, targets, mask)
 
     # On the CPU: on a GPU host, jax 0.11.2's Mosaic GPU interpreter fails on a program
     # with several independent interpreted kernels (an AssertionError in its shared
     # memory bookkeeping, seen on the H200); the real kernels: test_fused_row_groups_gpu.
     with jax.default_device(jax.devices("cpu")[0]):
-        hidden, weight, targets = (jax.device_put(a, jax.devices("cpu")[0])
-                                   for a in (hidden, weight, targets))
+        hidden, weight, targets, mask = (
+            None if a is None else jax.device_put(a, jax.devices("cpu")[0])
+            for a in (hidden, weight, targets, mask))
         whole, grouped = run(None), run(64)
-    for name in ("max_logit", "sum_exp", "sum_exp_shifted", "target_logit"):
+    names = ["max_logit", "sum_exp", "sum_exp_shifted", "target_logit"]
+    for name in names + (["masked_max", "masked_sum_exp"] if masked else []):
         a, b = np.asarray(getattr(whole, name)), np.asarray(getattr(grouped, name))
         assert a.shape == (200,) and np.array_equal(a, b), name
     with pytest.raises(ValueError, match="multiple of 64"):
         linear_mosaic.forward_stats(hidden, weight, targets, inv_tau=1.0, with_entropy=True,
                                     interpret=True, row_group=100)
+
+
+@pytest.mark.parametrize("mask_dtype,with_entropy,chunk_v", [
+    (jnp.bool_, True, 2048), (jnp.uint8, False, 2048), (jnp.uint8, True, 512)])
+def test_fused_forward_with_mask_interpret(mask_dtype, with_entropy, chunk_v):
+    """`linear_mosaic.forward_stats` with a keep mask (interpret mode) against the XLA
+    statistics of the same fp32 logits: T = 72 (a part-filled row block), V = 592 (a
+    part-filled last tile; chunks of 512 share a tile), targets off the shard, a row
+    keeping nothing, a row keeping one column, and a row whose kept logits lie far below
+    its maximum (where the statistics kernel needs a second pass; the fused kernel's
+    kept statistics have a maximum of their own)."""
+    from jaxops import linear_mosaic, xla
+
+    T, H, V = 72, 64, 592
+    k = jax.random.split(jax.random.key(14), 4)
+    hidden = (jax.random.normal(k[0], (T, H), F32) * 0.5).at[3].multiply(60.0).astype(BF16)
+    weight = (jax.random.normal(k[1], (V, H), F32) * 0.3).astype(BF16)
+    targets = jax.random.randint(k[2], (T,), -3, V + 3)
+    logits = jnp.dot(hidden.astype(F32), weight.astype(F32).T)
+    mask = jax.random.uniform(k[3], (T, V)) < 0.3
+    mask = mask.at[1].set(False).at[2].set(False).at[2, 5].set(True)
+    # row 3 (logits spread over hundreds): keep only its 8 smallest logits
+    mask = mask.at[3].set(logits[3] <= jnp.sort(logits[3])[7])
+    cpu = jax.devices("cpu")[0]  # interpret mode on the CPU device, as the row-group test
+    with jax.default_device(cpu):
+        got = linear_mosaic.forward_stats(
+            *(jax.device_put(a, cpu) for a in (hidden, weight, targets,
+                                               mask.astype(mask_dtype))),
+            inv_tau=1 / 0.7, with_entropy=with_entropy, interpret=True, chunk_v=chunk_v)
+    want = xla.forward_stats(logits, targets, mask, inv_tau=1 / 0.7,
+                             with_entropy=with_entropy)
+    gap = float((logits[3].max() - jnp.where(mask[3], logits[3], -jnp.inf).max()) / 0.7)
+    assert gap * 1.4427 > 64  # beyond the statistics kernel's shared-exponent gap
+    for name in got._fields:
+        a, b = getattr(got, name), getattr(want, name)
+        assert (a is None) == (b is None), name
+        if a is None:
+            continue
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        assert np.array_equal(np.isfinite(a), np.isfinite(b)), name
+        fin = np.isfinite(b)
+        # atol: the shifted sum is signed and ~0 where one logit dominates (row 3)
+        np.testing.assert_allclose(a[fin], b[fin], rtol=2e-6, atol=1e-6, err_msg=name)
+
+
+def test_fused_forward_with_mask_through_the_op(monkeypatch, fused_calls):
+    """With `linear_mosaic.MASKED_FORWARD` on (off until it has run on a GPU), a masked
+    call takes the fused forward (the backward stays chunked), bool and uint8 masks,
+    fp16, each entropy mode, against float64; V_loc % 16 != 0 keeps the chunked forward."""
+    from jaxops import linear_mosaic
+
+    assert not linear_mosaic.MASKED_FORWARD
+    assert not linear_mosaic.forward_applies(16, 64, 80, BF16, True)
+    monkeypatch.setattr(linear_mosaic, "MASKED_FORWARD", True)
+    for dtype, flags in ((BF16, (True, True)), (F16, (True, False)), (BF16, (False, True))):
+        run_case((2, 8), 64, 80, dtype, mask=True, temperature=0.7, with_entropy=flags[0],
+                 entropy_grad=flags[1], chunk_size=32, implementation="pallas_mosaic",
+                 seed=15)
+    assert fused_calls == {"forward": [(16, 64)] * 3, "backward": []}
+    data = make_linear_inputs(16, (16,), 64, 80, BF16, mask=True)
+    uint8_mask = jnp.asarray(data["mask"]).astype(jnp.uint8)
+    got = jaxops.linear_logprob_entropy(
+        jnp.asarray(data["hidden"], BF16), jnp.asarray(data["weight"], BF16),
+        jnp.asarray(data["targets"]), keep_mask=uint8_mask, chunk_size=32,
+        implementation="pallas_mosaic")
+    want = jaxops.linear_logprob_entropy(
+        jnp.asarray(data["hidden"], BF16), jnp.asarray(data["weight"], BF16),
+        jnp.asarray(data["targets"]), keep_mask=uint8_mask.astype(jnp.bool_), chunk_size=32,
+        implementation="pallas_mosaic")
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    fused_calls["forward"].clear()
+    run_case((16,), 64, 72, BF16, mask=True, chunk_size=32, implementation="pallas_mosaic",
+             seed=16)  # 72 % 16 != 0: the uint8 mask's TMA rows would be misaligned
+    assert fused_calls["forward"] == []
 
 
 @pytest.mark.parametrize("kernel", ["forward_stats", "backward_logits"])
@@ -342,6 +421,12 @@ def test_fused_kernels_lower_for_cuda(kernel, dtype):
         f = functools.partial(linear_mosaic.forward_stats, inv_tau=1 / 0.7, with_entropy=True)
         shapes = [(S((t, 4096), dtype), S((151936, 4096), dtype), S((t,), jnp.int32))
                   for t in (4096, 8192)]
+        # with a keep mask (bytes, or bool converted), also at small, part-filled shapes
+        shapes += [(S((t, h), dtype), S((v, h), dtype), S((t,), jnp.int32),
+                    S((t, v), mask_dtype))
+                   for t, h, v, mask_dtype in ((4096, 4096, 151936, jnp.uint8),
+                                               (8192, 4096, 151936, jnp.bool_),
+                                               (72, 128, 592, jnp.uint8))]
     else:
         f = functools.partial(linear_mosaic.backward_logits, inv_tau=1 / 0.7)
         shapes = [(S((4096, 4096), dtype), S((4096, 4096), dtype), S((4096,), jnp.int32),
@@ -352,26 +437,40 @@ def test_fused_kernels_lower_for_cuda(kernel, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("num_tokens", [4160, 8192])
-def test_fused_row_groups_gpu(num_tokens):
+@pytest.mark.parametrize("num_tokens,masked", [(4160, False), (8192, False), (4160, True)])
+def test_fused_row_groups_gpu(num_tokens, masked):
     """On the GPU: beyond MAX_ONE_LAUNCH_TOKENS rows the fused forward launches per row
-    group (the default), bitwise the statistics of one launch."""
+    group (the default), bitwise the statistics of one launch (with a keep mask too)."""
     from jaxops import linear_mosaic
 
-    k = jax.random.split(jax.random.key(8), 3)
+    k = jax.random.split(jax.random.key(8), 4)
     hidden = jax.random.normal(k[0], (num_tokens, 64), F32).astype(BF16)
-    weight = (jax.random.normal(k[1], (1000, 64), F32) / 8).astype(BF16)
-    targets = jax.random.randint(k[2], (num_tokens,), -3, 1003)
+    weight = (jax.random.normal(k[1], (1008, 64), F32) / 8).astype(BF16)
+    targets = jax.random.randint(k[2], (num_tokens,), -3, 1011)
+    mask = (jax.random.uniform(k[3], (num_tokens, 1008)) < 0.3) if masked else None
 
     def run(row_group):
-        return jax.jit(lambda h, w, y: linear_mosaic.forward_stats(
-            h, w, y, inv_tau=1 / 0.7, with_entropy=True, row_group=row_group))(
-            hidden, weight, targets)
+        return jax.jit(lambda h, w, y, m: linear_mosaic.forward_stats(
+            h, w, y, m, inv_tau=1 / 0.7, with_entropy=True, row_group=row_group))(
+            hidden, weight, targets, mask)
 
     whole, grouped = run(None), run(-1)
-    for name in ("max_logit", "sum_exp", "sum_exp_shifted", "target_logit"):
+    names = ["max_logit", "sum_exp", "sum_exp_shifted", "target_logit"]
+    for name in names + (["masked_max", "masked_sum_exp"] if masked else []):
         a, b = np.asarray(getattr(whole, name)), np.asarray(getattr(grouped, name))
         assert a.shape == (num_tokens,) and np.array_equal(a, b), name
+
+
+@pytest.mark.gpu
+def test_fused_forward_with_mask_gpu(monkeypatch, fused_calls):
+    """On the GPU, with `linear_mosaic.MASKED_FORWARD` on: the masked fused forward
+    (then the chunked backward) at T = 4096 against float64, bool and uint8 masks."""
+    from jaxops import linear_mosaic
+
+    monkeypatch.setattr(linear_mosaic, "MASKED_FORWARD", True)
+    run_case((4096,), 128, 1008, BF16, mask=True, temperature=0.7, chunk_size=384,
+             implementation="pallas_mosaic", seed=17)
+    assert fused_calls == {"forward": [(4096, 128)], "backward": []}
 
 
 @pytest.mark.gpu

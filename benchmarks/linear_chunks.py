@@ -12,6 +12,10 @@ in one process (ms, median of 5 calls after a compile call):
   * the chunks' fp32 logits: the forward GEMM alone with bf16 output (what the floor
     times) and with fp32 output (what the chunked forward writes and reads back).
 
+`--mask bool|uint8` adds a keep mask; `--masked-forward on|off|both` times its forward as
+the fused kernel (`linear_mosaic.MASKED_FORWARD`, off by default until timed here) or
+chunked.
+
 `--pieces` times one chunk of the backward instead, per chunk width C: its whole body
 (`linear.chunked_backward` on a weight of C rows: recompute, d logits kernel, both
 GEMMs) and each GEMM alone at the chunk's shapes, with `x chunks` = the time times
@@ -54,6 +58,11 @@ def main(argv=None):
     parser.add_argument("--fused-backward", default="on", choices=("on", "off", "both"),
                         help="the backward's d logits from linear_mosaic.backward_logits "
                         "(where it applies) or from the chunk's GEMM + statistics kernel")
+    parser.add_argument("--mask", default="none", choices=("none", "bool", "uint8"),
+                        help="a random keep mask [T, V] (30%% kept, the target kept)")
+    parser.add_argument("--masked-forward", default="off", choices=("on", "off", "both"),
+                        help="with --mask: the fused forward kernel with the mask "
+                        "(linear_mosaic.MASKED_FORWARD) or the chunked forward")
     args = parser.parse_args(argv)
 
     import jax
@@ -71,8 +80,13 @@ def main(argv=None):
     w = (jax.random.normal(k[1], (V, H), jnp.float32) / 64).astype(dtype)
     y = jax.random.randint(k[2], (T,), 0, V)
     g = jax.random.normal(k[3], (T,), jnp.float32)
+    mask = None
+    if args.mask != "none":
+        mask = (jax.random.uniform(jax.random.key(9), (T, V)) < 0.3).at[
+            jnp.arange(T), y].set(True).astype(jnp.bool_ if args.mask == "bool" else jnp.uint8)
     results = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-               "T": T, "H": H, "V": V, "dtype": jnp.dtype(dtype).name, "rows": []}
+               "T": T, "H": H, "V": V, "dtype": jnp.dtype(dtype).name, "mask": args.mask,
+               "rows": []}
 
     def record(name, **row):
         row = {"name": name, **row}
@@ -88,32 +102,40 @@ def main(argv=None):
     for out_dtype in (dtype, jnp.float32):
         gemm = jax.jit(lambda h, w, o=out_dtype: jnp.dot(h, w.T, preferred_element_type=o))
         record("forward GEMM", out_dtype=jnp.dtype(out_dtype).name, ms=_time_ms(gemm, h, w))
-    from jaxops import linear
+    from jaxops import linear, linear_mosaic
 
-    fits = linear.fused_backward_fits
+    fits, masked_forward = linear.fused_backward_fits, linear_mosaic.MASKED_FORWARD
     modes = ("on", "off") if args.fused_backward == "both" else (args.fused_backward,)
+    forward_modes = (("on", "off") if args.masked_forward == "both"
+                     else (args.masked_forward,)) if mask is not None else (None,)
     for chunk in chunks:
-        fwd = jax.jit(lambda h, w, y, c=chunk: jaxops.linear_logprob_entropy(
-            h, w, y, chunk_size=c))
+        fwd = jax.jit(lambda h, w, y, m, c=chunk: jaxops.linear_logprob_entropy(
+            h, w, y, keep_mask=m, chunk_size=c))
 
-        def fb(h, w, y, g, c=chunk):
+        def fb(h, w, y, m, g, c=chunk):
             _, vjp = jax.vjp(lambda h, w: jaxops.linear_logprob_entropy(
-                h, w, y, chunk_size=c), h, w)
+                h, w, y, keep_mask=m, chunk_size=c), h, w)
             return vjp((g, g))
 
         for mode in modes:
-            linear.fused_backward_fits = fits if mode == "on" else (lambda *a: False)
-            try:
-                fb_jit = jax.jit(fb)
-                record("linear_logprob_entropy", chunk=chunk, fused_backward=mode,
-                       fwd_ms=_time_ms(fwd, h, w, y), fb_ms=_time_ms(fb_jit, h, w, y, g),
-                       fb_temp_gib=_temp_gib(fb_jit, h, w, y, g),
-                       logits_gib=T * V * 2 / 2**30)
-            except Exception as exc:  # noqa: BLE001 -- an OOM at a wide chunk: record, go on
-                record("linear_logprob_entropy", chunk=chunk, fused_backward=mode,
-                       error=str(exc)[:300])
-            finally:
-                linear.fused_backward_fits = fits
+            for forward_mode in forward_modes:
+                linear.fused_backward_fits = fits if mode == "on" else (lambda *a: False)
+                linear_mosaic.MASKED_FORWARD = forward_mode == "on"
+                labels = dict(chunk=chunk, fused_backward=mode)
+                if forward_mode is not None:
+                    labels["masked_forward"] = forward_mode
+                try:
+                    fb_jit = jax.jit(fb)
+                    record("linear_logprob_entropy", **labels,
+                           fwd_ms=_time_ms(fwd, h, w, y, mask),
+                           fb_ms=_time_ms(fb_jit, h, w, y, mask, g),
+                           fb_temp_gib=_temp_gib(fb_jit, h, w, y, mask, g),
+                           logits_gib=T * V * 2 / 2**30)
+                except Exception as exc:  # noqa: BLE001 -- an OOM at a wide chunk: go on
+                    record("linear_logprob_entropy", **labels, error=str(exc)[:300])
+                finally:
+                    linear.fused_backward_fits = fits
+                    linear_mosaic.MASKED_FORWARD = masked_forward
 
 
 def _chunk_d_logits(h, w_c, y, max_logit, coefs, impl, config):

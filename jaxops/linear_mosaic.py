@@ -21,7 +21,9 @@ fp32 logits GEMM and the statistics kernel's pass over them.
 
 `linear.linear_logprob_entropy` takes both where `applies` says so (no keep mask,
 bf16/fp16, T a multiple of 8, H of 64, V_loc of 8), the backward only up to
-MAX_FUSED_BACKWARD_TOKENS rows.
+MAX_FUSED_BACKWARD_TOKENS rows and with chunks of a multiple of 8 columns. The forward
+also takes a keep mask (`forward_stats(..., keep_mask)`), but the op uses that only once
+MASKED_FORWARD is on (`forward_applies`): it has not yet run on a GPU.
 
 The grid is (chunks, row blocks), row blocks fastest: the CTAs resident at one time
 work on one chunk of the weight, which L2 then serves to all of them. Each CTA re-reads

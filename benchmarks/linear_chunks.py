@@ -12,9 +12,9 @@ in one process (ms, median of 5 calls after a compile call):
   * the chunks' fp32 logits: the forward GEMM alone with bf16 output (what the floor
     times) and with fp32 output (what the chunked forward writes and reads back).
 
-`--mask bool|uint8` adds a keep mask; `--masked-forward on|off|both` times its forward as
-the fused kernel (`linear_mosaic.MASKED_FORWARD`, off by default until timed here) or
-chunked.
+`--mask bool|uint8` adds a keep mask; `--masked-fused on|off|both` times the call with
+the fused kernels taking the mask (`linear_mosaic.MASKED`, off by default until timed
+here) or with the chunked path.
 
 `--pieces` times one chunk of the backward instead, per chunk width C: its whole body
 (`linear.chunked_backward` on a weight of C rows: recompute, d logits kernel, both
@@ -60,9 +60,9 @@ def main(argv=None):
                         "(where it applies) or from the chunk's GEMM + statistics kernel")
     parser.add_argument("--mask", default="none", choices=("none", "bool", "uint8"),
                         help="a random keep mask [T, V] (30%% kept, the target kept)")
-    parser.add_argument("--masked-forward", default="off", choices=("on", "off", "both"),
-                        help="with --mask: the fused forward kernel with the mask "
-                        "(linear_mosaic.MASKED_FORWARD) or the chunked forward")
+    parser.add_argument("--masked-fused", default="off", choices=("on", "off", "both"),
+                        help="with --mask: the fused kernels with the mask "
+                        "(linear_mosaic.MASKED) or the chunked path")
     args = parser.parse_args(argv)
 
     import jax
@@ -104,10 +104,10 @@ def main(argv=None):
         record("forward GEMM", out_dtype=jnp.dtype(out_dtype).name, ms=_time_ms(gemm, h, w))
     from jaxops import linear, linear_mosaic
 
-    fits, masked_forward = linear.fused_backward_fits, linear_mosaic.MASKED_FORWARD
+    fits, masked_fused = linear.fused_backward_fits, linear_mosaic.MASKED
     modes = ("on", "off") if args.fused_backward == "both" else (args.fused_backward,)
-    forward_modes = (("on", "off") if args.masked_forward == "both"
-                     else (args.masked_forward,)) if mask is not None else (None,)
+    mask_modes = (("on", "off") if args.masked_fused == "both"
+                  else (args.masked_fused,)) if mask is not None else (None,)
     for chunk in chunks:
         fwd = jax.jit(lambda h, w, y, m, c=chunk: jaxops.linear_logprob_entropy(
             h, w, y, keep_mask=m, chunk_size=c))
@@ -118,12 +118,12 @@ def main(argv=None):
             return vjp((g, g))
 
         for mode in modes:
-            for forward_mode in forward_modes:
+            for mask_mode in mask_modes:
                 linear.fused_backward_fits = fits if mode == "on" else (lambda *a: False)
-                linear_mosaic.MASKED_FORWARD = forward_mode == "on"
+                linear_mosaic.MASKED = mask_mode == "on"
                 labels = dict(chunk=chunk, fused_backward=mode)
-                if forward_mode is not None:
-                    labels["masked_forward"] = forward_mode
+                if mask_mode is not None:
+                    labels["masked_fused"] = mask_mode
                 try:
                     fb_jit = jax.jit(fb)
                     record("linear_logprob_entropy", **labels,
@@ -135,7 +135,7 @@ def main(argv=None):
                     record("linear_logprob_entropy", **labels, error=str(exc)[:300])
                 finally:
                     linear.fused_backward_fits = fits
-                    linear_mosaic.MASKED_FORWARD = masked_forward
+                    linear_mosaic.MASKED = masked_fused
 
 
 def _chunk_d_logits(h, w_c, y, max_logit, coefs, impl, config):

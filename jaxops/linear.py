@@ -246,9 +246,9 @@ def chunked_backward(hidden, weight, local_targets, keep_mask, max_logit, masked
         # bf16 logits is: an fp32 operand would turn both into fp32 GEMMs (~10x slower).
         # The kernel rounds them as it stores them: no fp32 [T, C] array, no pass over it.
         if fused_logits:
-            d_logits = _fused_backward_logits(hidden, weight_c, targets_c, max_logit, coefs,
-                                              inv_tau=inv_tau, out_dtype=compute,
-                                              config=config)
+            d_logits = _fused_backward_logits(hidden, weight_c, targets_c, mask_c, max_logit,
+                                              masked_max, coefs, inv_tau=inv_tau,
+                                              out_dtype=compute, config=config)
         else:
             d_logits = stats.backward_logits(
                 implementation, _logits(hidden, weight_c), targets_c, mask_c, max_logit,
@@ -279,24 +279,25 @@ def chunked_backward(hidden, weight, local_targets, keep_mask, max_logit, masked
     return (None if d_hidden is None else d_hidden.astype(hidden.dtype)), out_weight
 
 
-def _fused_backward_logits(hidden, weight_c, targets_c, max_logit, coefs, *, inv_tau,
-                           out_dtype, config):
+def _fused_backward_logits(hidden, weight_c, targets_c, mask_c, max_logit, masked_max,
+                           coefs, *, inv_tau, out_dtype, config):
     """d logits `[T, C]` from `linear_mosaic.backward_logits` (the logits recomputed in
     the kernel), differentiable through XLA's `backward_logits` of the same logits
     (`stats.with_xla_derivative`)."""
     from jaxops import linear_mosaic, xla
 
-    def kernel(hidden, weight_c, targets_c, max_logit, coefs):
+    def kernel(hidden, weight_c, targets_c, mask_c, max_logit, masked_max, coefs):
         return linear_mosaic.backward_logits(
-            hidden, weight_c, targets_c, max_logit, coefs, inv_tau=inv_tau,
-            out_dtype=out_dtype, interpret=bool(getattr(config, "interpret", False)))
+            hidden, weight_c, targets_c, max_logit, coefs, mask_c, masked_max,
+            inv_tau=inv_tau, out_dtype=out_dtype,
+            interpret=bool(getattr(config, "interpret", False)))
 
-    def jnp_fn(hidden, weight_c, targets_c, max_logit, coefs):
-        return xla.backward_logits(_logits(hidden, weight_c), targets_c, None, max_logit,
-                                   None, coefs, inv_tau=inv_tau, out_dtype=out_dtype)
+    def jnp_fn(hidden, weight_c, targets_c, mask_c, max_logit, masked_max, coefs):
+        return xla.backward_logits(_logits(hidden, weight_c), targets_c, mask_c, max_logit,
+                                   masked_max, coefs, inv_tau=inv_tau, out_dtype=out_dtype)
 
-    return stats.with_xla_derivative(kernel, jnp_fn)(hidden, weight_c, targets_c, max_logit,
-                                                      coefs)
+    return stats.with_xla_derivative(kernel, jnp_fn)(hidden, weight_c, targets_c, mask_c,
+                                                      max_logit, masked_max, coefs)
 
 
 def _linear_local_stats_bwd(inv_tau, with_entropy, entropy_grad, implementation, config,
@@ -332,20 +333,22 @@ def fused_backward_fits(num_tokens, hidden_size, num_vocab, dtype, masked,
     these shapes (where the fused kernels are wanted): where the fused forward fits, up
     to `linear_mosaic.MAX_FUSED_BACKWARD_TOKENS` rows, with `chunk` (the backward's
     vocabulary columns per call; None: all V_loc at once) a multiple of 8 as the
-    kernel's weight rows must be (the tail is then one too, as V_loc is)."""
+    kernel's weight rows must be, of 16 with a mask (its slice's TMA row stride); the
+    tail is then one too, as V_loc is."""
     from jaxops import linear_mosaic
 
     return (num_tokens <= linear_mosaic.MAX_FUSED_BACKWARD_TOKENS
-            and (chunk is None or chunk % 8 == 0)
-            and linear_mosaic.applies(num_tokens, hidden_size, num_vocab, dtype, masked))
+            and (chunk is None or chunk % (16 if masked else 8) == 0)
+            and linear_mosaic.masked_applies(num_tokens, hidden_size, num_vocab, dtype,
+                                             masked))
 
 
 def fused_forward_fits(num_tokens, hidden_size, num_vocab, dtype, masked) -> bool:
-    """`linear_mosaic.forward_applies`, imported on first use (it loads Mosaic GPU's
+    """`linear_mosaic.masked_applies`, imported on first use (it loads Mosaic GPU's
     Pallas)."""
     from jaxops import linear_mosaic
 
-    return linear_mosaic.forward_applies(num_tokens, hidden_size, num_vocab, dtype, masked)
+    return linear_mosaic.masked_applies(num_tokens, hidden_size, num_vocab, dtype, masked)
 
 
 def _fused_forward(impl, config, pallas_config, num_tokens, hidden_size, num_vocab, dtype,

@@ -21,9 +21,9 @@ fp32 logits GEMM and the statistics kernel's pass over them.
 
 `linear.linear_logprob_entropy` takes both where `applies` says so (no keep mask,
 bf16/fp16, T a multiple of 8, H of 64, V_loc of 8), the backward only up to
-MAX_FUSED_BACKWARD_TOKENS rows and with chunks of a multiple of 8 columns. The forward
-also takes a keep mask (`forward_stats(..., keep_mask)`), but the op uses that only once
-MASKED_FORWARD is on (`forward_applies`): it has not yet run on a GPU.
+MAX_FUSED_BACKWARD_TOKENS rows and with chunks of a multiple of 8 columns. Both also
+take a keep mask, but the op uses that only once MASKED is on (`masked_applies`): they
+have not yet run on a GPU with one.
 
 The grid is (chunks, row blocks), row blocks fastest: the CTAs resident at one time
 work on one chunk of the weight, which L2 then serves to all of them. Each CTA re-reads
@@ -86,20 +86,20 @@ def applies(num_tokens: int, hidden_size: int, num_vocab: int, dtype, masked: bo
             and hidden_size % BLOCK_K == 0 and num_vocab % 8 == 0)
 
 
-# The fused forward with a keep mask (`forward_stats(..., keep_mask=)`): written and
-# tested on the CPU (Mosaic GPU's interpreter; lowered for CUDA) in session 18, when no
-# GPU was lent; `forward_applies` takes masks only once this is True, i.e. once it has
-# run and been timed on the GPU against the chunked forward (benchmarks/NOTES.md).
-MASKED_FORWARD = False
+# The fused kernels with a keep mask (`forward_stats(..., keep_mask)`,
+# `backward_logits(..., keep_mask, masked_max)`): written and tested on the CPU (Mosaic
+# GPU's interpreter; lowered for CUDA) in session 18, when no GPU was lent.
+# `masked_applies` takes masks only once this is True, i.e. once they have run and been
+# timed on the GPU against the chunked path (benchmarks/NOTES.md).
+MASKED = False
 
 
-def forward_applies(num_tokens: int, hidden_size: int, num_vocab: int, dtype,
-                    masked: bool) -> bool:
-    """Whether the fused forward takes this call: `applies` without a mask; with one,
-    where MASKED_FORWARD and V_loc % 16 == 0 (the uint8 mask's 16-byte TMA row
-    stride)."""
+def masked_applies(num_tokens: int, hidden_size: int, num_vocab: int, dtype,
+                   masked: bool) -> bool:
+    """Whether the fused kernels take this call: `applies` without a mask; with one,
+    where MASKED and V_loc % 16 == 0 (the uint8 mask's 16-byte TMA row stride)."""
     return (applies(num_tokens, hidden_size, num_vocab, dtype, False)
-            and (not masked or (MASKED_FORWARD and num_vocab % 16 == 0)))
+            and (not masked or (MASKED and num_vocab % 16 == 0)))
 
 
 def _operand_transforms(block_k: int, itemsize: int):
@@ -312,14 +312,14 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
                       masked_sum_exp)
 
 
-def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoefs, *,
-                    inv_tau: float, out_dtype=None, interpret: bool = False,
-                    block_n: int = BLOCK_N, block_k: int = BLOCK_K,
+def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoefs,
+                    keep_mask=None, masked_max=None, *, inv_tau: float, out_dtype=None,
+                    interpret: bool = False, block_n: int = BLOCK_N, block_k: int = BLOCK_K,
                     chunk_v: int = BACKWARD_CHUNK_V, num_stages: int = NUM_STAGES
                     ) -> jax.Array:
-    """d loss / d logits `[T, V_loc]` of logits = hidden @ weight.T, no keep mask, with the
-    logits recomputed in the kernel: each CTA computes a [64, block_n] fp32 logits tile
-    with wgmma (as `forward_stats`), forms its gradient in registers
+    """d loss / d logits `[T, V_loc]` of logits = hidden @ weight.T, with the logits
+    recomputed in the kernel: each CTA computes a [64, block_n] fp32 logits tile with
+    wgmma (as `forward_stats`), forms its gradient in registers
     (`pallas_mosaic.softmax_terms`, the statistics kernels' backward arithmetic) and
     stores it rounded to `out_dtype` (default: hidden's dtype) through SMEM with TMA. No
     fp32 logits in HBM. The linear backward calls it per vocabulary chunk
@@ -327,10 +327,18 @@ def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoe
 
     hidden `[T, H]`, weight `[V_loc, H]` (bf16/fp16, T % 8 == 0, H % block_k == 0),
     local_targets `[T]` shard-local ids, max_logit `[T]` (units of logits / tau),
-    coefs `[T]` each (`contract.BackwardCoefs`, no masked coefficient)."""
+    coefs `[T]` each (`contract.BackwardCoefs`). With keep_mask `[T, V_loc]` (bool or
+    uint8, V_loc % 16 == 0), masked_max `[T]` and coefs.coef_masked: the kept softmax's
+    term, from an exponential of its own (relative to masked_max) in every row, where the
+    statistics kernel shares the row's exponential except in far rows."""
     _check_operands(hidden, weight, block_k, "backward")
-    if coefs.coef_masked is not None:
-        raise ValueError("linear_mosaic.backward_logits takes no keep mask")
+    masked = keep_mask is not None
+    if masked != (coefs.coef_masked is not None) or masked != (masked_max is not None):
+        raise ValueError("linear_mosaic.backward_logits: keep_mask, masked_max and "
+                         "coefs.coef_masked go together")
+    if masked and weight.shape[0] % 16:
+        raise ValueError(f"fused backward: a keep mask needs V_loc % 16 == 0, got "
+                         f"{weight.shape[0]}")
     num_tokens, hidden_size = hidden.shape
     num_vocab = weight.shape[0]
     out_dtype = jnp.dtype(out_dtype or hidden.dtype)
@@ -342,14 +350,18 @@ def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoe
     inv_tau = float(inv_tau)
     scale = inv_tau * pm._LOG2E
     entropy = coefs.coef_shifted is not None
-    vectors = pm.backward_vectors(max_logit, None, coefs, inv_tau, padded)
+    vectors = pm.backward_vectors(max_logit, masked_max, coefs, inv_tau, padded)
     num_vectors = vectors.shape[0]
     tile_fn = functools.partial(_logits_tile, hidden_size=hidden_size, block_n=block_n,
                                 block_k=block_k, num_stages=num_stages, interpret=interpret)
     shape = (_ROWS, block_n)
+    mask_transforms, read_mask = pm._mask_reader(num_tokens, num_vocab, block_n, masked,
+                                                 config)
 
-    def kernel(h_ref, w_ref, t_ref, vectors_ref, out_ref, target_smem, vectors_smem,
-               grad_smem, barrier):
+    def kernel(h_ref, w_ref, t_ref, vectors_ref, *refs):
+        refs = list(refs)
+        m_ref = refs.pop(0) if masked else None
+        out_ref, target_smem, vectors_smem, grad_smem, barrier, *mask_scratch = refs
         row_block = lax.axis_index("rows")
         first_tile, _ = pm._chunk_start(lax.axis_index("chunks"), tiles, per_chunk)
         rows = pl.ds(row_block * _ROWS, _ROWS)
@@ -360,16 +372,29 @@ def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoe
         neg_ref, coef_sum, *rest = [pm._read(vectors_smem.at[i], pm._rows_layout(), config)
                                     for i in range(num_vectors)]
         coef_shifted = rest.pop(0) if entropy else None
-        (coef_target,) = rest
+        coef_target = rest.pop(0)
+        if masked:
+            masked_neg_ref, coef_masked = rest
 
         def column_tile(j, carry):
             tile = first_tile + j
+            if masked:  # as in forward_stats: one slot, refilled under the wgmma loop
+                mask_smem, mask_barrier = mask_scratch
+                plgpu.commit_smem()
+                plgpu.copy_gmem_to_smem(m_ref.at[rows, pl.ds(tile * block_n, block_n)],
+                                        mask_smem, mask_barrier.at[0])
             raw = tile_fn(h_ref, w_ref, row_block, tile)
             cols = tile * block_n + pm._layout(
                 lax.broadcasted_iota(jnp.int32, shape, 1), plgpu.Layout.WGMMA, config)
+            onehot = cols == pm._per_col(target, shape)
             exp_d, coef = pm.softmax_terms(raw, neg_ref, coef_sum, coef_shifted, scale=scale)
-            grad = exp_d * coef + jnp.where(cols == pm._per_col(target, shape),
-                                            pm._per_col(coef_target, shape), 0.0)
+            grad = exp_d * coef + jnp.where(onehot, pm._per_col(coef_target, shape), 0.0)
+            if masked:
+                plgpu.barrier_wait(mask_barrier.at[0])
+                kept = read_mask(mask_smem) | onehot  # the target always counts as kept
+                kept_exp = jnp.exp2(raw * scale + pm._per_col(masked_neg_ref, shape))
+                grad = grad + jnp.where(kept, kept_exp * pm._per_col(coef_masked, shape),
+                                        0.0)
             # One SMEM slot: the previous tile's TMA store has had this tile's whole
             # wgmma loop to read it. Columns past V_loc (and rows past T) are clipped
             # by the store on the GPU; the interpreter gets a padded output instead.
@@ -385,14 +410,17 @@ def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoe
 
     targets = pm.padded_targets(local_targets, num_vocab, padded)
     out_shape = (padded, tiles * block_n) if interpret else (num_tokens, num_vocab)
-    operands = (hidden, weight, targets, vectors)
+    operands = (hidden, weight, targets, vectors) + (
+        (pm._mask_bytes(keep_mask),) if masked else ())
+    mask_scratch = [plgpu.SMEM(shape, jnp.uint8, transforms=mask_transforms),
+                    plgpu.Barrier(num_arrivals=1, num_barriers=1)] if masked else []
     call = plgpu.kernel(
         kernel, out_type=varying_struct(out_shape, out_dtype, *operands, max_logit,
                                         *[c for c in coefs if c is not None]),
         scratch_types=[pm.target_smem(False), plgpu.SMEM((num_vectors, _ROWS), jnp.float32),
                        plgpu.SMEM(shape, out_dtype, transforms=pm._transforms(
                            num_tokens, num_vocab, out_dtype.itemsize, block_n)),
-                       plgpu.Barrier(num_arrivals=2, num_barriers=1)],
+                       plgpu.Barrier(num_arrivals=2, num_barriers=1)] + mask_scratch,
         grid=(chunks, row_blocks), grid_names=("chunks", "rows"),
         compiler_params=pm._compiler_params(config),
         interpret=pm._interpret_params() if interpret else False)

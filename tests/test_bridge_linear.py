@@ -471,15 +471,18 @@ def test_fused_forward_in_interpret_mode(fused_traces):
     assert fused_traces == [("forward_stats", (16, 64), (80, 64))]
 
 
-def test_fused_forward_with_mask_when_switched_on(monkeypatch, fused_traces):
-    """With `linear_mosaic.MASKED_FORWARD` on (off until it has run on a GPU), a bool
-    torch mask takes the fused forward kernel (the backward stays chunked)."""
+def test_fused_kernels_with_mask_when_switched_on(monkeypatch, fused_traces):
+    """With `linear_mosaic.MASKED` on (off until they have run on a GPU), a bool torch
+    mask goes to both fused kernels."""
     from jaxops import linear_mosaic
 
-    monkeypatch.setattr(linear_mosaic, "MASKED_FORWARD", True)
+    monkeypatch.setattr(linear_mosaic, "MASKED", True)
     check(*make(16, 64, 80, torch.bfloat16, masked=True, seed=10), temperature=0.9,
           chunk_size=32, implementation="pallas_mosaic")
-    assert fused_traces == [("forward_stats", (16, 64), (80, 64))]
+    # the backward's 32-column scan body and 16-column tail, for `check`'s two cotangents
+    assert sorted(fused_traces) == sorted(
+        [("forward_stats", (16, 64), (80, 64))]
+        + [("backward_logits", (16, 64), (cols, 64)) for cols in (32, 16)] * 2)
 
 
 @pytest.mark.parametrize("dtype,with_entropy,entropy_grad", [

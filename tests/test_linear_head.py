@@ -225,35 +225,47 @@ def test_fused_kernels_reject_shapes_they_cannot_tile():
                                     targets[:12], inv_tau=1.0, with_entropy=True)
 
 
-@pytest.mark.parametrize("num_tokens,num_vocab,dtype,entropy,chunk_v", [
-    (64, 1000, BF16, True, 512),  # 4 tiles, the last part-filled; 2 chunks share one
-    (72, 520, F16, False, 2048),  # T = 72: a part-filled row block; fp16
-    (8, 256, BF16, True, 256),  # one tile
+@pytest.mark.parametrize("num_tokens,num_vocab,dtype,entropy,chunk_v,mask", [
+    (64, 1000, BF16, True, 512, None),  # 4 tiles, the last part-filled; 2 chunks share one
+    (72, 520, F16, False, 2048, None),  # T = 72: a part-filled row block; fp16
+    (8, 256, BF16, True, 256, None),  # one tile
+    # keep masks: rows keeping nothing, and keeping only logits far below the maximum
+    (72, 592, BF16, True, 512, jnp.bool_), (64, 1008, F16, False, 2048, jnp.uint8),
 ])
-def test_fused_backward_logits_interpret(num_tokens, num_vocab, dtype, entropy, chunk_v):
+def test_fused_backward_logits_interpret(num_tokens, num_vocab, dtype, entropy, chunk_v,
+                                         mask):
     """`linear_mosaic.backward_logits` (logits recomputed in the kernel; interpret mode)
     against the XLA statistics' gradient of the same fp32 logits, rounded to the inputs'
     dtype: at most one rounding step apart, targets off the shard included."""
     from jaxops import linear_mosaic, xla
     from jaxops.contract import BackwardCoefs
 
-    k = jax.random.split(jax.random.key(11), 6)
-    hidden = (jax.random.normal(k[0], (num_tokens, 64), F32) * 0.5).astype(dtype)
+    k = jax.random.split(jax.random.key(11), 8)
+    hidden = (jax.random.normal(k[0], (num_tokens, 64), F32) * 0.5).at[3].multiply(
+        60.0 if mask else 1.0).astype(dtype)
     weight = (jax.random.normal(k[1], (num_vocab, 64), F32) / 8).astype(dtype)
     targets = jax.random.randint(k[2], (num_tokens,), -3, num_vocab + 3)
     logits = jnp.dot(hidden.astype(F32), weight.astype(F32).T)
-    stats = xla.forward_stats(logits, targets, None, inv_tau=1 / 0.7, with_entropy=True)
-    g = [jax.random.normal(k[3 + i], (num_tokens,), F32) for i in range(3)]
+    keep = None
+    if mask:
+        keep = jax.random.uniform(k[7], logits.shape) < 0.3
+        keep = keep.at[1].set(False).at[3].set(logits[3] <= jnp.sort(logits[3])[7])
+    stats = xla.forward_stats(logits, targets, keep, inv_tau=1 / 0.7, with_entropy=True)
+    g = [jax.random.normal(k[3 + i], (num_tokens,), F32) for i in range(4)]
     coefs = BackwardCoefs(coef_sum=g[0], coef_shifted=g[1] if entropy else None,
-                          coef_target=g[2], coef_masked=None)
-    want = xla.backward_logits(logits, targets, None, stats.max_logit, None, coefs,
-                               inv_tau=1 / 0.7)
-    got = linear_mosaic.backward_logits(hidden, weight, targets, stats.max_logit, coefs,
-                                        inv_tau=1 / 0.7, interpret=True, chunk_v=chunk_v)
+                          coef_target=g[2], coef_masked=g[3] if mask else None)
+    want = xla.backward_logits(logits, targets, keep, stats.max_logit, stats.masked_max,
+                               coefs, inv_tau=1 / 0.7)
+    got = linear_mosaic.backward_logits(
+        hidden, weight, targets, stats.max_logit, coefs,
+        None if keep is None else keep.astype(mask), stats.masked_max,
+        inv_tau=1 / 0.7, interpret=True, chunk_v=chunk_v)
     assert got.shape == (num_tokens, num_vocab) and got.dtype == dtype
     eps = float(jnp.finfo(dtype).eps)
     err = np.abs(np.asarray(got, np.float64) - np.asarray(want, np.float64))
-    assert np.all(err <= eps * np.abs(np.asarray(want, np.float64)) + 1e-30), err.max()
+    # plus the dtype's smallest step: values below it round to 0 (fp16, row 3's far tail)
+    floor = float(jnp.finfo(dtype).smallest_subnormal)
+    assert np.all(err <= eps * np.abs(np.asarray(want, np.float64)) + floor), err.max()
 
 
 def test_fused_kernels_choice(monkeypatch):
@@ -372,20 +384,26 @@ def test_fused_forward_with_mask_interpret(mask_dtype, with_entropy, chunk_v):
         np.testing.assert_allclose(a[fin], b[fin], rtol=2e-6, atol=1e-6, err_msg=name)
 
 
-def test_fused_forward_with_mask_through_the_op(monkeypatch, fused_calls):
-    """With `linear_mosaic.MASKED_FORWARD` on (off until it has run on a GPU), a masked
-    call takes the fused forward (the backward stays chunked), bool and uint8 masks,
-    fp16, each entropy mode, against float64; V_loc % 16 != 0 keeps the chunked forward."""
+def test_fused_kernels_with_mask_through_the_op(monkeypatch, fused_calls):
+    """With `linear_mosaic.MASKED` on (off until they have run on a GPU), a masked call
+    takes both fused kernels, bool and uint8 masks, fp16, each entropy mode, against
+    float64; backward chunks of a multiple of 8 but not 16 columns keep the chunked
+    backward, V_loc % 16 != 0 the chunked forward too."""
     from jaxops import linear_mosaic
 
-    assert not linear_mosaic.MASKED_FORWARD
-    assert not linear_mosaic.forward_applies(16, 64, 80, BF16, True)
-    monkeypatch.setattr(linear_mosaic, "MASKED_FORWARD", True)
+    assert not linear_mosaic.MASKED
+    assert not linear_mosaic.masked_applies(16, 64, 80, BF16, True)
+    monkeypatch.setattr(linear_mosaic, "MASKED", True)
     for dtype, flags in ((BF16, (True, True)), (F16, (True, False)), (BF16, (False, True))):
         run_case((2, 8), 64, 80, dtype, mask=True, temperature=0.7, with_entropy=flags[0],
                  entropy_grad=flags[1], chunk_size=32, implementation="pallas_mosaic",
                  seed=15)
-    assert fused_calls == {"forward": [(16, 64)] * 3, "backward": []}
+    # the backward: 32-column chunks' scan body and the 16-column tail, per call
+    assert fused_calls == {"forward": [(16, 64)] * 3, "backward": [(16, 64)] * 6}
+    fused_calls["backward"].clear()
+    run_case((16,), 64, 80, BF16, mask=True, chunk_size=40, implementation="pallas_mosaic",
+             seed=15)
+    assert fused_calls["backward"] == []
     data = make_linear_inputs(16, (16,), 64, 80, BF16, mask=True)
     uint8_mask = jnp.asarray(data["mask"]).astype(jnp.uint8)
     got = jaxops.linear_logprob_entropy(
@@ -431,6 +449,10 @@ def test_fused_kernels_lower_for_cuda(kernel, dtype):
         f = functools.partial(linear_mosaic.backward_logits, inv_tau=1 / 0.7)
         shapes = [(S((4096, 4096), dtype), S((4096, 4096), dtype), S((4096,), jnp.int32),
                    vec, BackwardCoefs(vec, vec, vec, None))]
+        # with a keep mask (its chunk's slice), bytes or bool
+        shapes += [(S((4096, 4096), dtype), S((4096, 4096), dtype), S((4096,), jnp.int32),
+                    vec, BackwardCoefs(vec, vec, vec, vec), S((4096, 4096), mask_dtype), vec)
+                   for mask_dtype in (jnp.uint8, jnp.bool_)]
     for args in shapes:
         text = jax.jit(f).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
         assert "mosaic_gpu" in text
@@ -462,15 +484,15 @@ def test_fused_row_groups_gpu(num_tokens, masked):
 
 
 @pytest.mark.gpu
-def test_fused_forward_with_mask_gpu(monkeypatch, fused_calls):
-    """On the GPU, with `linear_mosaic.MASKED_FORWARD` on: the masked fused forward
-    (then the chunked backward) at T = 4096 against float64, bool and uint8 masks."""
+def test_fused_kernels_with_mask_gpu(monkeypatch, fused_calls):
+    """On the GPU, with `linear_mosaic.MASKED` on: both fused kernels with a keep mask at
+    T = 4096 against float64 (d weight's GEMM returning bf16 included)."""
     from jaxops import linear_mosaic
 
-    monkeypatch.setattr(linear_mosaic, "MASKED_FORWARD", True)
+    monkeypatch.setattr(linear_mosaic, "MASKED", True)
     run_case((4096,), 128, 1008, BF16, mask=True, temperature=0.7, chunk_size=384,
              implementation="pallas_mosaic", seed=17)
-    assert fused_calls == {"forward": [(4096, 128)], "backward": []}
+    assert fused_calls == {"forward": [(4096, 128)], "backward": [(4096, 128)] * 2}
 
 
 @pytest.mark.gpu
@@ -698,11 +720,12 @@ def test_pallas_picks_its_backend_for_the_chunks(backend_choices):
 
 # ------------------------------------------------------------------ second order
 
-@pytest.mark.parametrize("implementation,dtype,tol", [
-    ("xla", F32, 1e-5), ("pallas", F32, 1e-5),
+@pytest.mark.parametrize("implementation,dtype,tol,masked", [
+    ("xla", F32, 1e-5, True), ("pallas", F32, 1e-5, False),
     # the fused kernels (interpret mode): bf16 d logits in the backward's GEMMs (4e-3 seen)
-    ("pallas_mosaic", BF16, 2e-2)])
-def test_gradient_of_the_gradient(implementation, dtype, tol, fused_calls):
+    ("pallas_mosaic", BF16, 2e-2, False), ("pallas_mosaic", BF16, 2e-2, True)])
+def test_gradient_of_the_gradient(implementation, dtype, tol, masked, fused_calls,
+                                  monkeypatch):
     """A Hessian-vector product (the gradient of <d loss / d hidden, v>, to hidden and
     weight) through every implementation against float64 `reference` on the same
     rounded inputs: the Pallas kernels' backward carries XLA's derivative
@@ -714,11 +737,16 @@ def test_gradient_of_the_gradient(implementation, dtype, tol, fused_calls):
     targets = jax.random.randint(k[2], (T,), 0, V)
     v = jax.random.normal(k[3], (T, H), F32)
     weights_lp, weights_h = jnp.linspace(-1.0, 2.0, T), jnp.cos(jnp.arange(T))
+    keep = (jax.random.uniform(jax.random.key(4), (T, V)) < 0.4) if masked else None
+    if masked:
+        from jaxops import linear_mosaic
+
+        monkeypatch.setattr(linear_mosaic, "MASKED", True)  # the fused kernels with it
 
     def hvp(implementation, hidden, weight):
         def loss(hidden, weight):
             lp, ent = jaxops.linear_logprob_entropy(
-                hidden, weight, targets, temperature=0.7, chunk_size=32,
+                hidden, weight, targets, keep_mask=keep, temperature=0.7, chunk_size=32,
                 implementation=implementation)
             return (lp * weights_lp).sum() + 0.3 * (ent * weights_h).sum()
 

@@ -8,8 +8,9 @@ mask columns); hidden and targets are replicated (`P()`). Values and the gradien
 hidden and weight, through `jax.vjp` from outside the user's `shard_map`, are compared
 with the unsharded float64 reference, for 2 and 4 shards under check_vma True and
 False; Pallas (interpret mode) under check_vma=False, and its clear error under True;
-the fused Mosaic GPU kernels (interpret mode) under check_vma=False on 2 shards (with a
-workaround for a race in jax 0.10.2's interpreter: `_serialize_interpreter_barrier_check`).
+the fused Mosaic GPU kernels (interpret mode; also with a keep mask, switched on) under
+check_vma=False on 2 shards (with a workaround for a race in jax 0.10.2's interpreter:
+`_serialize_interpreter_barrier_check`).
 The compiled HLO's collectives are counted. Last line on success: `RESULT {json}`.
 """
 
@@ -158,6 +159,21 @@ def main():
     assert sorted(traced) == [("backward_logits", (16, 64), (8, 64)),
                               ("backward_logits", (16, 64), (24, 64)),
                               ("forward_stats", (16, 64), (80, 64))], traced
+    print(label, report[label], file=sys.stderr, flush=True)
+    # With a keep mask, the kernels switched on (`linear_mosaic.MASKED`, off until they
+    # have run on a GPU): chunks of 32 columns (the mask's slices need 16-byte rows).
+    from jaxops import linear_mosaic
+
+    linear_mosaic.MASKED = True
+    traced.clear()
+    masked_cfg = dict(fused_cfg, mask=True, chunk_size=32)
+    masked_data = make_linear_inputs(8, (2, 8), 64, 160, jnp.bfloat16, mask=True)
+    label = "pallas_mosaic (fused kernels, keep mask) shards=2 check_vma=False bf16"
+    report[label] = check(label, masked_cfg, "pallas_mosaic", mesh_of(2), False, masked_data)
+    assert sorted(traced) == [("backward_logits", (16, 64), (16, 64)),
+                              ("backward_logits", (16, 64), (32, 64)),
+                              ("forward_stats", (16, 64), (80, 64))], traced
+    linear_mosaic.MASKED = False
     print(label, report[label], file=sys.stderr, flush=True)
 
     # Collectives: the forward's O(T) pmax + psum; the backward's sum of d hidden.

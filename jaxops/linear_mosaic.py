@@ -224,8 +224,8 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
         row_block = lax.axis_index("rows")
         chunk = lax.axis_index("chunks")
         first_tile, first_owned = pm._chunk_start(chunk, tiles, per_chunk)
-        rows = pl.ds(row_block * _ROWS, _ROWS)
-        pm.copy_targets(t_ref, rows, target_smem, barrier.at[0], False)
+        pm.copy_targets(t_ref, pl.ds(row_block * _ROWS, _ROWS), target_smem, barrier.at[0],
+                        False)
         plgpu.barrier_wait(barrier.at[0])
         target = pm.read_targets(target_smem, False, config)
         shape = (_ROWS, block_n)
@@ -257,8 +257,9 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
                 # overwrites the slot (commit_smem ends in a warpgroup barrier); the
                 # copy then runs under this tile's wgmma loop.
                 plgpu.commit_smem()
-                plgpu.copy_gmem_to_smem(m_ref.at[rows, pl.ds(tile * block_n, block_n)],
-                                        mask_smem, mask_barrier.at[0])
+                plgpu.copy_gmem_to_smem(
+                    m_ref.at[pl.ds(row_block * _ROWS, _ROWS), pl.ds(tile * block_n, block_n)],
+                    mask_smem, mask_barrier.at[0])
             acc = tile_fn(h_ref, w_ref, row_block, tile)
             if masked:
                 plgpu.barrier_wait(mask_barrier.at[0])
@@ -271,6 +272,7 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
                  zero if masked else None, zero)
         stats = lax.fori_loop(0, per_chunk, column_tile, stats)
         results = [s for s in stats if s is not None]
+        rows = pl.ds(row_block * _ROWS, _ROWS)
         for smem, value in zip(smem_refs, results):
             smem[...] = value
         plgpu.commit_smem()
@@ -278,8 +280,7 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
             plgpu.copy_smem_to_gmem(smem, out.at[chunk, rows])
         plgpu.wait_smem_to_gmem(0)
 
-    mask_bytes = keep_mask
-    operands = [o for o in (hidden, weight, local_targets, mask_bytes) if o is not None]
+    operands = [o for o in (hidden, weight, local_targets, keep_mask) if o is not None]
     part = varying_struct((chunks, padded), jnp.float32, *operands)
     mask_scratch = [plgpu.SMEM((_ROWS, block_n), jnp.uint8, transforms=mask_transforms),
                     plgpu.Barrier(num_arrivals=1, num_barriers=1)] if masked else []
@@ -295,7 +296,7 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
     on_shard = (local_targets >= 0) & (local_targets < num_vocab)
     targets = pm.padded_targets(local_targets, num_vocab, padded)
     outs = [o[:, :num_tokens]
-            for o in call(hidden, weight, targets, *([mask_bytes] if masked else []))]
+            for o in call(hidden, weight, targets, *([keep_mask] if masked else []))]
     row_max, sum_exp = outs.pop(0), outs.pop(0)
     shifted = outs.pop(0) if with_entropy else None
     # One chunk at most holds a row's target (the others add 0): the sum is exact.
@@ -306,7 +307,7 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
     if masked:
         safe_target = jnp.where(on_shard, local_targets, 0).astype(jnp.int32)
         masked_max, masked_sum_exp = pm.kept_statistics(
-            *outs, target_raw, mask_bytes, safe_target, on_shard, inv_tau)
+            *outs, target_raw, keep_mask, safe_target, on_shard, inv_tau)
     return LocalStats(max_logit, sum_exp, sum_exp_shifted,
                       jnp.where(on_shard, target_raw * inv_tau, 0.0), masked_max,
                       masked_sum_exp)
@@ -386,9 +387,10 @@ def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoe
             raw = tile_fn(h_ref, w_ref, row_block, tile)
             cols = tile * block_n + pm._layout(
                 lax.broadcasted_iota(jnp.int32, shape, 1), plgpu.Layout.WGMMA, config)
-            onehot = cols == pm._per_col(target, shape)
             exp_d, coef = pm.softmax_terms(raw, neg_ref, coef_sum, coef_shifted, scale=scale)
-            grad = exp_d * coef + jnp.where(onehot, pm._per_col(coef_target, shape), 0.0)
+            grad = exp_d * coef
+            onehot = cols == pm._per_col(target, shape)
+            grad = grad + jnp.where(onehot, pm._per_col(coef_target, shape), 0.0)
             if masked:
                 plgpu.barrier_wait(mask_barrier.at[0])
                 kept = read_mask(mask_smem) | onehot  # the target always counts as kept

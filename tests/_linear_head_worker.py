@@ -146,35 +146,29 @@ def main():
         raise AssertionError("Pallas interpret mode under check_vma=True should raise")
 
     # The fused Mosaic GPU kernels (interpret mode) inside shard_map on 2 shards: T = 16,
-    # H = 64, V_loc = 80 (their shapes: T % 8, H % 64, V_loc % 8), chunks of 24 columns
-    # (3 in the scan, then an 8-column tail), counted to show they ran.
-    _serialize_interpreter_barrier_check()
-    traced = record_fused_traces()
-    fused_cfg = dict(dtype=jnp.bfloat16, mask=False, temperature=0.8, with_entropy=True,
-                     entropy_grad=True, chunk_size=24)
-    fused_data = make_linear_inputs(7, (2, 8), 64, 160, jnp.bfloat16, mask=False)
-    label = "pallas_mosaic (fused kernels) shards=2 check_vma=False bf16"
-    report[label] = check(label, fused_cfg, "pallas_mosaic", mesh_of(2), False, fused_data)
-    # forward once per shard program; backward: the tail chunk, then the scan body
-    assert sorted(traced) == [("backward_logits", (16, 64), (8, 64)),
-                              ("backward_logits", (16, 64), (24, 64)),
-                              ("forward_stats", (16, 64), (80, 64))], traced
-    print(label, report[label], file=sys.stderr, flush=True)
-    # With a keep mask, the kernels switched on (`linear_mosaic.MASKED`, off until they
-    # have run on a GPU): chunks of 32 columns (the mask's slices need 16-byte rows).
+    # H = 64, V_loc = 80 (their shapes: T % 8, H % 64, V_loc % 8), counted to show they
+    # ran: without a mask in chunks of 24 columns (3 in the scan, then an 8-column tail);
+    # with one, the kernels switched on (`linear_mosaic.MASKED`, off until they have run
+    # on a GPU), in chunks of 32 (the mask's slices need 16-byte rows; a 16-column tail).
     from jaxops import linear_mosaic
 
-    linear_mosaic.MASKED = True
-    traced.clear()
-    masked_cfg = dict(fused_cfg, mask=True, chunk_size=32)
-    masked_data = make_linear_inputs(8, (2, 8), 64, 160, jnp.bfloat16, mask=True)
-    label = "pallas_mosaic (fused kernels, keep mask) shards=2 check_vma=False bf16"
-    report[label] = check(label, masked_cfg, "pallas_mosaic", mesh_of(2), False, masked_data)
-    assert sorted(traced) == [("backward_logits", (16, 64), (16, 64)),
-                              ("backward_logits", (16, 64), (32, 64)),
-                              ("forward_stats", (16, 64), (80, 64))], traced
+    _serialize_interpreter_barrier_check()
+    traced = record_fused_traces()
+    for masked, chunk, tail, seed in ((False, 24, 8, 7), (True, 32, 16, 8)):
+        linear_mosaic.MASKED = masked
+        traced.clear()
+        fused_cfg = dict(dtype=jnp.bfloat16, mask=masked, temperature=0.8, with_entropy=True,
+                         entropy_grad=True, chunk_size=chunk)
+        fused_data = make_linear_inputs(seed, (2, 8), 64, 160, jnp.bfloat16, mask=masked)
+        label = (f"pallas_mosaic (fused kernels{', keep mask' if masked else ''}) shards=2 "
+                 "check_vma=False bf16")
+        report[label] = check(label, fused_cfg, "pallas_mosaic", mesh_of(2), False, fused_data)
+        # forward once per shard program; backward: the tail chunk, then the scan body
+        assert sorted(traced) == [("backward_logits", (16, 64), (tail, 64)),
+                                  ("backward_logits", (16, 64), (chunk, 64)),
+                                  ("forward_stats", (16, 64), (80, 64))], traced
+        print(label, report[label], file=sys.stderr, flush=True)
     linear_mosaic.MASKED = False
-    print(label, report[label], file=sys.stderr, flush=True)
 
     # Collectives: the forward's O(T) pmax + psum; the backward's sum of d hidden.
     num_tokens = int(np.prod(LEAD))

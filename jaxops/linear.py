@@ -339,16 +339,14 @@ def fused_backward_fits(num_tokens, hidden_size, num_vocab, dtype, masked,
 
     return (num_tokens <= linear_mosaic.MAX_FUSED_BACKWARD_TOKENS
             and (chunk is None or chunk % (16 if masked else 8) == 0)
-            and linear_mosaic.masked_applies(num_tokens, hidden_size, num_vocab, dtype,
-                                             masked))
+            and linear_mosaic.applies(num_tokens, hidden_size, num_vocab, dtype, masked))
 
 
 def fused_forward_fits(num_tokens, hidden_size, num_vocab, dtype, masked) -> bool:
-    """`linear_mosaic.masked_applies`, imported on first use (it loads Mosaic GPU's
-    Pallas)."""
+    """`linear_mosaic.applies`, imported on first use (it loads Mosaic GPU's Pallas)."""
     from jaxops import linear_mosaic
 
-    return linear_mosaic.masked_applies(num_tokens, hidden_size, num_vocab, dtype, masked)
+    return linear_mosaic.applies(num_tokens, hidden_size, num_vocab, dtype, masked)
 
 
 def _fused_forward(impl, config, pallas_config, num_tokens, hidden_size, num_vocab, dtype,

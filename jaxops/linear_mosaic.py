@@ -22,8 +22,8 @@ fp32 logits GEMM and the statistics kernel's pass over them.
 `linear.linear_logprob_entropy` takes both where `applies` says so (no keep mask,
 bf16/fp16, T a multiple of 8, H of 64, V_loc of 8), the backward only up to
 MAX_FUSED_BACKWARD_TOKENS rows and with chunks of a multiple of 8 columns. Both also
-take a keep mask, but the op uses that only once MASKED is on (`masked_applies`): they
-have not yet run on a GPU with one.
+take a keep mask, but `applies` admits one only once MASKED is on: they have not yet run
+on a GPU with one.
 
 The grid is (chunks, row blocks), row blocks fastest: the CTAs resident at one time
 work on one chunk of the weight, which L2 then serves to all of them. Each CTA re-reads
@@ -76,29 +76,23 @@ BACKWARD_CHUNK_V = 512
 MAX_FUSED_BACKWARD_TOKENS = 4096
 
 
-def applies(num_tokens: int, hidden_size: int, num_vocab: int, dtype, masked: bool) -> bool:
-    """Whether the fused kernels take this call's shapes (the caller checks that the
-    Mosaic GPU backend is wanted and runs here): no keep mask, bf16/fp16, T a multiple
-    of 8 (the targets' and d logits' TMA rows), H of BLOCK_K, V_loc of 8 (TMA's 16-byte
-    row stride of d logits)."""
-    return (not masked and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-            and num_tokens > 0 and num_tokens % 8 == 0
-            and hidden_size % BLOCK_K == 0 and num_vocab % 8 == 0)
-
-
 # The fused kernels with a keep mask (`forward_stats(..., keep_mask)`,
 # `backward_logits(..., keep_mask, masked_max)`): written and tested on the CPU (Mosaic
-# GPU's interpreter; lowered for CUDA) in session 18, when no GPU was lent.
-# `masked_applies` takes masks only once this is True, i.e. once they have run and been
-# timed on the GPU against the chunked path (benchmarks/NOTES.md).
+# GPU's interpreter; lowered for CUDA) in session 18, when no GPU was lent. `applies`
+# takes masks only once this is True, i.e. once they have run and been timed on the GPU
+# against the chunked path (benchmarks/NOTES.md).
 MASKED = False
 
 
-def masked_applies(num_tokens: int, hidden_size: int, num_vocab: int, dtype,
-                   masked: bool) -> bool:
-    """Whether the fused kernels take this call: `applies` without a mask; with one,
-    where MASKED and V_loc % 16 == 0 (the uint8 mask's 16-byte TMA row stride)."""
-    return (applies(num_tokens, hidden_size, num_vocab, dtype, False)
+def applies(num_tokens: int, hidden_size: int, num_vocab: int, dtype, masked: bool) -> bool:
+    """Whether the fused kernels take this call's shapes (the caller checks that the
+    Mosaic GPU backend is wanted and runs here): bf16/fp16, T a multiple of 8 (the
+    targets' and d logits' TMA rows), H of BLOCK_K, V_loc of 8 (TMA's 16-byte row stride
+    of d logits); with a keep mask only where MASKED, and V_loc of 16 (the uint8 mask's
+    16-byte TMA row stride)."""
+    return (jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+            and num_tokens > 0 and num_tokens % 8 == 0
+            and hidden_size % BLOCK_K == 0 and num_vocab % 8 == 0
             and (not masked or (MASKED and num_vocab % 16 == 0)))
 
 
@@ -152,6 +146,31 @@ def _check_operands(hidden, weight, block_k: int, what: str):
     if hidden.shape[1] % block_k or hidden.shape[0] % 8 or weight.shape[0] % 8:
         raise ValueError(f"fused {what}: T % 8, H % {block_k} and the weight's rows % 8 "
                          f"must be 0, got hidden {hidden.shape}, weight {weight.shape}")
+
+
+def _mask_scratch(block_n: int, transforms):
+    """Scratch for the kernels' keep mask: one SMEM slot for a [64, block_n] uint8 mask
+    tile and the barrier of its TMA copy (`_start_mask_tile`, `_mask_tile`)."""
+    return [plgpu.SMEM((_ROWS, block_n), jnp.uint8, transforms=transforms),
+            plgpu.Barrier(num_arrivals=1, num_barriers=1)]
+
+
+def _start_mask_tile(mask_ref, scratch, row_block, tile, block_n: int):
+    """Start the TMA copy of mask tile (`row_block`, `tile`) into the one slot, so that it
+    runs under the tile's wgmma loop. The previous tile's reads of the slot are done in
+    every warp before TMA overwrites it: commit_smem ends in a warpgroup barrier."""
+    mask_smem, barrier = scratch
+    plgpu.commit_smem()
+    plgpu.copy_gmem_to_smem(
+        mask_ref.at[pl.ds(row_block * _ROWS, _ROWS), pl.ds(tile * block_n, block_n)],
+        mask_smem, barrier.at[0])
+
+
+def _mask_tile(scratch, read_mask):
+    """The mask tile `_start_mask_tile` copied, as bool [64, block_n] (WGMMA layout)."""
+    mask_smem, barrier = scratch
+    plgpu.barrier_wait(barrier.at[0])
+    return read_mask(mask_smem)
 
 
 def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: float,
@@ -250,20 +269,10 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
 
         def column_tile(j, stats):
             tile = first_tile + j
-            keep = None
             if masked:
-                mask_smem, mask_barrier = mask_scratch
-                # The previous tile's mask reads are done in every warp before TMA
-                # overwrites the slot (commit_smem ends in a warpgroup barrier); the
-                # copy then runs under this tile's wgmma loop.
-                plgpu.commit_smem()
-                plgpu.copy_gmem_to_smem(
-                    m_ref.at[pl.ds(row_block * _ROWS, _ROWS), pl.ds(tile * block_n, block_n)],
-                    mask_smem, mask_barrier.at[0])
+                _start_mask_tile(m_ref, mask_scratch, row_block, tile, block_n)
             acc = tile_fn(h_ref, w_ref, row_block, tile)
-            if masked:
-                plgpu.barrier_wait(mask_barrier.at[0])
-                keep = read_mask(mask_smem)
+            keep = _mask_tile(mask_scratch, read_mask) if masked else None
             return stats_update(j, acc, stats, keep)
 
         neg = pm._row_vector(NEG, jnp.float32, config)
@@ -282,8 +291,7 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
 
     operands = [o for o in (hidden, weight, local_targets, keep_mask) if o is not None]
     part = varying_struct((chunks, padded), jnp.float32, *operands)
-    mask_scratch = [plgpu.SMEM((_ROWS, block_n), jnp.uint8, transforms=mask_transforms),
-                    plgpu.Barrier(num_arrivals=1, num_barriers=1)] if masked else []
+    mask_scratch = _mask_scratch(block_n, mask_transforms) if masked else []
     call = plgpu.kernel(
         kernel, out_type=[part] * num_out,
         scratch_types=[plgpu.SMEM((_ROWS,), jnp.float32)] * num_out
@@ -379,11 +387,8 @@ def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoe
 
         def column_tile(j, carry):
             tile = first_tile + j
-            if masked:  # as in forward_stats: one slot, refilled under the wgmma loop
-                mask_smem, mask_barrier = mask_scratch
-                plgpu.commit_smem()
-                plgpu.copy_gmem_to_smem(m_ref.at[rows, pl.ds(tile * block_n, block_n)],
-                                        mask_smem, mask_barrier.at[0])
+            if masked:
+                _start_mask_tile(m_ref, mask_scratch, row_block, tile, block_n)
             raw = tile_fn(h_ref, w_ref, row_block, tile)
             cols = tile * block_n + pm._layout(
                 lax.broadcasted_iota(jnp.int32, shape, 1), plgpu.Layout.WGMMA, config)
@@ -392,8 +397,8 @@ def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoe
             onehot = cols == pm._per_col(target, shape)
             grad = grad + jnp.where(onehot, pm._per_col(coef_target, shape), 0.0)
             if masked:
-                plgpu.barrier_wait(mask_barrier.at[0])
-                kept = read_mask(mask_smem) | onehot  # the target always counts as kept
+                # the target always counts as kept
+                kept = _mask_tile(mask_scratch, read_mask) | onehot
                 kept_exp = jnp.exp2(raw * scale + pm._per_col(masked_neg_ref, shape))
                 grad = grad + jnp.where(kept, kept_exp * pm._per_col(coef_masked, shape),
                                         0.0)
@@ -414,8 +419,7 @@ def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoe
     out_shape = (padded, tiles * block_n) if interpret else (num_tokens, num_vocab)
     operands = (hidden, weight, targets, vectors) + (
         (pm._mask_bytes(keep_mask),) if masked else ())
-    mask_scratch = [plgpu.SMEM(shape, jnp.uint8, transforms=mask_transforms),
-                    plgpu.Barrier(num_arrivals=1, num_barriers=1)] if masked else []
+    mask_scratch = _mask_scratch(block_n, mask_transforms) if masked else []
     call = plgpu.kernel(
         kernel, out_type=varying_struct(out_shape, out_dtype, *operands, max_logit,
                                         *[c for c in coefs if c is not None]),

@@ -392,7 +392,7 @@ def test_fused_kernels_with_mask_through_the_op(monkeypatch, fused_calls):
     from jaxops import linear_mosaic
 
     assert not linear_mosaic.MASKED
-    assert not linear_mosaic.masked_applies(16, 64, 80, BF16, True)
+    assert not linear_mosaic.applies(16, 64, 80, BF16, True)
     monkeypatch.setattr(linear_mosaic, "MASKED", True)
     for dtype, flags in ((BF16, (True, True)), (F16, (True, False)), (BF16, (False, True))):
         run_case((2, 8), 64, 80, dtype, mask=True, temperature=0.7, with_entropy=flags[0],

@@ -88,21 +88,28 @@ def check_linear(label, got, data, dtype, *, temperature, with_entropy, entropy_
                               floor=scale * float(np.abs(data["hidden"]).max(initial=0.0))))
 
 
+def _on_each_trace(set_attr, kernel: str, record):
+    """Replace the fused kernel `linear_mosaic.<kernel>` (with `set_attr`: a test's
+    `monkeypatch.setattr`, or plain `setattr` in a worker process) by one that calls
+    `record(args)` on each trace, then the kernel."""
+    from jaxops import linear_mosaic
+
+    real = getattr(linear_mosaic, kernel)
+
+    def counted(*args, **kwargs):
+        record(args)
+        return real(*args, **kwargs)
+
+    set_attr(linear_mosaic, kernel, counted)
+
+
 def count_fused_calls(monkeypatch, kernel: str = "forward_stats") -> list:
     """Patch the fused kernel `linear_mosaic.<kernel>` ("forward_stats", the fused
     forward, or "backward_logits", the backward's recomputing d logits kernel) to record
     the hidden shape of each call it is traced with; returns that list. Callers clear
     the caches of the jitted functions under test, so that they trace afresh."""
-    from jaxops import linear_mosaic
-
     calls = []
-    real = getattr(linear_mosaic, kernel)
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(linear_mosaic, kernel, counted)
+    _on_each_trace(monkeypatch.setattr, kernel, lambda args: calls.append(args[0].shape))
     return calls
 
 
@@ -111,13 +118,8 @@ def record_fused_traces(set_attr=setattr) -> list:
     `set_attr` (a test's `monkeypatch.setattr`, or plain `setattr` in a worker process)
     so that each trace appends (kernel name, hidden shape, weight shape) to the returned
     list. Callers clear the caches of the jitted functions under test first."""
-    from jaxops import linear_mosaic
-
     traced = []
     for name in ("forward_stats", "backward_logits"):
-        def counted(*args, _real=getattr(linear_mosaic, name), _name=name, **kwargs):
-            traced.append((_name, tuple(args[0].shape), tuple(args[1].shape)))
-            return _real(*args, **kwargs)
-
-        set_attr(linear_mosaic, name, counted)
+        _on_each_trace(set_attr, name, lambda args, name=name: traced.append(
+            (name, tuple(args[0].shape), tuple(args[1].shape))))
     return traced

@@ -448,6 +448,21 @@ def test_gradient_of_the_gradient(implementation, mask):
 # --------------------------------------------------------------------------- masks
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "known, open (found by test_random_calls in session 18's CI, present at session 17's "
+    "code too): on rows whose mask keeps only the target, far below the row's maximum "
+    "(|x| up to 49 here), the Pallas backward's kept-softmax term comes from the row's "
+    "exponential times 2^gap in log2 units, so it cancels the target's term only to "
+    "~|x| * 2^-24: max |g| 3.7e-5 where the float64 gradient is 0 (XLA: exactly 0)"))
+def test_target_only_rows_far_below_the_maximum_pallas():
+    """The failing example test_random_calls drew, pinned: V = 2, three rows whose masks
+    keep only the target, fp32 logits up to 14.7 at temperature 0.3, log-prob only."""
+    logits, targets, keep_mask = make_inputs(524288, (3,), 2, F32, mask="random", scale=10.0)
+    check_against_reference(logits, targets, keep_mask=keep_mask, temperature=0.3,
+                            with_entropy=False, entropy_grad=False, implementation="pallas",
+                            seed=288, jit=False)
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("mask", ["none", "target_only"])
 def test_mask_keeps_only_the_target(implementation, mask):

@@ -429,7 +429,7 @@ def linear_logprob_entropy(
         as for `bridge.logprob_entropy` (keep_mask is `[T, V_loc]`).
       chunk_size: vocabulary columns per chunk (any int >= 1); None:
         `jaxops.linear.default_chunk_size(b, V_loc)` for a window of b rows (fp32 logits
-        of at most max(64 MiB, 1/24 of the window's bf16 logits), 128-column aligned).
+        of at most max(48 MiB, 1/24 of the window's bf16 logits), 128-column aligned).
         Extra memory per rank, in JAX's pool: about `b * chunk_size * 6` bytes for bf16
         (a chunk's fp32 logits and their gradient in bf16), the fp32 d hidden
         accumulator `b * H * 4`, and with several windows the fp32 d weight accumulator

@@ -53,8 +53,11 @@ from jaxops.reference import logprob_entropy_reference
 # The default chunk: its fp32 logits take at most 1/24 of the bf16 [T, V_loc] logits'
 # bytes (the chunk's temporaries -- fp32 logits and bf16 d logits -- then stay under 1/16
 # of them, leaving room for the fp32 d hidden accumulator, 2H/V of them), and at least
-# MIN_CHUNK_BYTES so that small T still gets wide, efficient GEMMs.
-MIN_CHUNK_BYTES = 64 * 2**20
+# MIN_CHUNK_BYTES so that small T still gets wide, efficient GEMMs. 48 MiB gives 3072
+# columns at T = 4096: on the H200 at H = 4096 the fused backward took the same time at
+# 3072 as at 4096 columns (34.93 vs 34.94 ms forward+backward) with XLA's temporaries at
+# 0.115x the bf16 logits instead of 0.135x (benchmarks/NOTES.md, session 19).
+MIN_CHUNK_BYTES = 48 * 2**20
 _COLUMN_ALIGN = 128
 
 
@@ -427,7 +430,7 @@ def linear_logprob_entropy(
         Triton `PallasConfig` keeps both chunked.
       chunk_size: vocabulary columns per chunk (any int >= 1; it need not divide
         V_loc). None: `default_chunk_size(T, V_loc)`: fp32 `[T, chunk]` logits of at
-        most 1/24 of the bf16 logits' bytes (at least 64 MiB), 128-column aligned.
+        most 1/24 of the bf16 logits' bytes (at least 48 MiB), 128-column aligned.
 
     Returns:
       `(log_prob, entropy)`, float32 `[...]`; `entropy` is None without entropy.
@@ -439,7 +442,7 @@ def linear_logprob_entropy(
     the fused forward holds no chunk, only O(T * V_loc / 2048) partial statistics; the
     fused backward no fp32 chunk, `T * chunk_size * 2`, but see docs/design.md §10),
     plus the fp32 `d hidden` accumulator `T * H * 4` and O(T) floats of statistics;
-    never `[T, V_loc]`. With the default chunk (at T * V_loc * 2 / 24 >= 64 MiB) that
+    never `[T, V_loc]`. With the default chunk (at T * V_loc * 2 / 24 >= 48 MiB) that
     is under 1/16 of the bf16 logits' size plus `T * H * 4`.
 
     Vocab parallel `d hidden`: every shard's logits depend on all of `hidden`, so

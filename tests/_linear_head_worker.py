@@ -148,14 +148,10 @@ def main():
     # The fused Mosaic GPU kernels (interpret mode) inside shard_map on 2 shards: T = 16,
     # H = 64, V_loc = 80 (their shapes: T % 8, H % 64, V_loc % 8), counted to show they
     # ran: without a mask in chunks of 24 columns (3 in the scan, then an 8-column tail);
-    # with one, the kernels switched on (`linear_mosaic.MASKED`, off until they have run
-    # on a GPU), in chunks of 32 (the mask's slices need 16-byte rows; a 16-column tail).
-    from jaxops import linear_mosaic
-
+    # with one in chunks of 32 (the mask's slices need 16-byte rows; a 16-column tail).
     _serialize_interpreter_barrier_check()
     traced = record_fused_traces()
     for masked, chunk, tail, seed in ((False, 24, 8, 7), (True, 32, 16, 8)):
-        linear_mosaic.MASKED = masked
         traced.clear()
         fused_cfg = dict(dtype=jnp.bfloat16, mask=masked, temperature=0.8, with_entropy=True,
                          entropy_grad=True, chunk_size=chunk)
@@ -168,7 +164,6 @@ def main():
                                   ("backward_logits", (16, 64), (chunk, 64)),
                                   ("forward_stats", (16, 64), (80, 64))], traced
         print(label, report[label], file=sys.stderr, flush=True)
-    linear_mosaic.MASKED = False
 
     # Collectives: the forward's O(T) pmax + psum; the backward's sum of d hidden.
     num_tokens = int(np.prod(LEAD))

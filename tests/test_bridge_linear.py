@@ -471,12 +471,9 @@ def test_fused_forward_in_interpret_mode(fused_traces):
     assert fused_traces == [("forward_stats", (16, 64), (80, 64))]
 
 
-def test_fused_kernels_with_mask_when_switched_on(monkeypatch, fused_traces):
-    """With `linear_mosaic.MASKED` on (off until they have run on a GPU), a bool torch
-    mask goes to both fused kernels."""
-    from jaxops import linear_mosaic
-
-    monkeypatch.setattr(linear_mosaic, "MASKED", True)
+def test_fused_kernels_with_mask(fused_traces):
+    """A bool torch mask goes to both fused kernels (`linear_mosaic.MASKED`, on by
+    default)."""
     check(*make(16, 64, 80, torch.bfloat16, masked=True, seed=10), temperature=0.9,
           chunk_size=32, implementation="pallas_mosaic")
     # the backward's 32-column scan body and 16-column tail, for `check`'s two cotangents

@@ -270,10 +270,11 @@ def test_fused_backward_logits_interpret(num_tokens, num_vocab, dtype, entropy, 
 
 def test_fused_kernels_choice(monkeypatch):
     """"pallas" takes the fused kernels (forward and backward) on a Hopper+ GPU only (not
-    in interpret mode, not with Triton's `PallasConfig`), for bf16/fp16 without a mask,
-    T % 8, H % 64 and V_loc % 8 == 0: the forward at any T (beyond
-    MAX_ONE_LAUNCH_TOKENS in row groups), the backward up to MAX_FUSED_BACKWARD_TOKENS."""
-    from jaxops import implementations
+    in interpret mode, not with Triton's `PallasConfig`), for bf16/fp16, T % 8, H % 64 and
+    V_loc % 8 == 0 (with a keep mask V_loc % 16, unless `linear_mosaic.MASKED` is off):
+    the forward at any T (beyond MAX_ONE_LAUNCH_TOKENS in row groups), the backward up
+    to MAX_FUSED_BACKWARD_TOKENS."""
+    from jaxops import implementations, linear_mosaic
     from jaxops.linear import _fused_backward, _fused_forward
     from jaxops.pallas_config import MosaicConfig, PallasConfig
 
@@ -296,7 +297,11 @@ def test_fused_kernels_choice(monkeypatch):
         assert not fused("pallas", on_gpu, None, 4096, 4100, 151936, BF16, False)
         assert not fused("pallas", on_gpu, None, 4096, 4096, 151932, BF16, False)
         assert not fused("pallas", on_gpu, None, 4096, 4096, 151936, F32, False)
+        assert fused("pallas", on_gpu, None, 4096, 4096, 151936, BF16, True)
+        assert not fused("pallas", on_gpu, None, 4096, 4096, 151928, BF16, True)  # % 16
+        monkeypatch.setattr(linear_mosaic, "MASKED", False)
         assert not fused("pallas", on_gpu, None, 4096, 4096, 151936, BF16, True)
+        monkeypatch.setattr(linear_mosaic, "MASKED", True)
         assert not fused("pallas_triton", on_gpu, None, 4096, 4096, 151936, BF16, False)
         assert not fused("xla", None, None, 4096, 4096, 151936, BF16, False)
         assert fused("pallas_mosaic", PallasConfig(interpret=True), None, 8, 64, 8, BF16,
@@ -385,14 +390,18 @@ def test_fused_forward_with_mask_interpret(mask_dtype, with_entropy, chunk_v):
 
 
 def test_fused_kernels_with_mask_through_the_op(monkeypatch, fused_calls):
-    """With `linear_mosaic.MASKED` on (off until they have run on a GPU), a masked call
-    takes both fused kernels, bool and uint8 masks, fp16, each entropy mode, against
-    float64; backward chunks of a multiple of 8 but not 16 columns keep the chunked
-    backward, V_loc % 16 != 0 the chunked forward too."""
+    """A masked call takes both fused kernels (`linear_mosaic.MASKED`, on by default),
+    bool and uint8 masks, fp16, each entropy mode, against float64; backward chunks of a
+    multiple of 8 but not 16 columns keep the chunked backward, V_loc % 16 != 0 the
+    chunked forward too; with the switch off, masked calls take neither kernel."""
     from jaxops import linear_mosaic
 
-    assert not linear_mosaic.MASKED
+    assert linear_mosaic.MASKED
+    monkeypatch.setattr(linear_mosaic, "MASKED", False)
     assert not linear_mosaic.applies(16, 64, 80, BF16, True)
+    run_case((16,), 64, 80, BF16, mask=True, chunk_size=32, implementation="pallas_mosaic",
+             seed=14)
+    assert fused_calls == {"forward": [], "backward": []}
     monkeypatch.setattr(linear_mosaic, "MASKED", True)
     for dtype, flags in ((BF16, (True, True)), (F16, (True, False)), (BF16, (False, True))):
         run_case((2, 8), 64, 80, dtype, mask=True, temperature=0.7, with_entropy=flags[0],
@@ -484,12 +493,9 @@ def test_fused_row_groups_gpu(num_tokens, masked):
 
 
 @pytest.mark.gpu
-def test_fused_kernels_with_mask_gpu(monkeypatch, fused_calls):
-    """On the GPU, with `linear_mosaic.MASKED` on: both fused kernels with a keep mask at
-    T = 4096 against float64 (d weight's GEMM returning bf16 included)."""
-    from jaxops import linear_mosaic
-
-    monkeypatch.setattr(linear_mosaic, "MASKED", True)
+def test_fused_kernels_with_mask_gpu(fused_calls):
+    """On the GPU: both fused kernels with a keep mask at T = 4096 against float64
+    (d weight's GEMM returning bf16 included)."""
     run_case((4096,), 128, 1008, BF16, mask=True, temperature=0.7, chunk_size=384,
              implementation="pallas_mosaic", seed=17)
     assert fused_calls == {"forward": [(4096, 128)], "backward": [(4096, 128)] * 2}
@@ -539,7 +545,8 @@ def test_default_chunk_size():
     cols = default_chunk_size(16_384, 151_936)  # 1/24 of the bf16 logits' bytes
     budget = 16_384 * 151_936 * 2 // 24
     assert cols % 128 == 0 and 16_384 * cols * 4 <= budget < 16_384 * (cols + 128) * 4
-    assert default_chunk_size(1000, 151_936) * 1000 * 4 <= 64 * 2**20  # the floor budget
+    assert default_chunk_size(1000, 151_936) * 1000 * 4 <= 48 * 2**20  # the floor budget
+    assert default_chunk_size(4096, 151_936) == 3072
     assert default_chunk_size(10**7, 1000) == 128  # at least 128 columns
 
 
@@ -724,8 +731,7 @@ def test_pallas_picks_its_backend_for_the_chunks(backend_choices):
     ("xla", F32, 1e-5, True), ("pallas", F32, 1e-5, False),
     # the fused kernels (interpret mode): bf16 d logits in the backward's GEMMs (4e-3 seen)
     ("pallas_mosaic", BF16, 2e-2, False), ("pallas_mosaic", BF16, 2e-2, True)])
-def test_gradient_of_the_gradient(implementation, dtype, tol, masked, fused_calls,
-                                  monkeypatch):
+def test_gradient_of_the_gradient(implementation, dtype, tol, masked, fused_calls):
     """A Hessian-vector product (the gradient of <d loss / d hidden, v>, to hidden and
     weight) through every implementation against float64 `reference` on the same
     rounded inputs: the Pallas kernels' backward carries XLA's derivative
@@ -738,10 +744,6 @@ def test_gradient_of_the_gradient(implementation, dtype, tol, masked, fused_call
     v = jax.random.normal(k[3], (T, H), F32)
     weights_lp, weights_h = jnp.linspace(-1.0, 2.0, T), jnp.cos(jnp.arange(T))
     keep = (jax.random.uniform(jax.random.key(4), (T, V)) < 0.4) if masked else None
-    if masked:
-        from jaxops import linear_mosaic
-
-        monkeypatch.setattr(linear_mosaic, "MASKED", True)  # the fused kernels with it
 
     def hvp(implementation, hidden, weight):
         def loss(hidden, weight):

@@ -263,8 +263,18 @@ def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_ent
         return (jnp.where(anything_kept & ~empty, max_x, -jnp.inf),
                 jnp.where(anything_kept & ~empty, shared_sum, 0.0))
 
-    needs_exact = anything_kept & ~empty & (shared_sum < _SHARED_MASKED_MIN)
+    # Where the mask keeps nothing, the target alone is kept: its own logit is the
+    # reference and its 2^0 = 1 the sum, exactly (no second pass). Relative to the row
+    # max instead, the forward's scalar 2^d and the backward's vector one round apart
+    # (FMA contraction), and `combine` could not see the point mass (it zeroes its
+    # gradient where the target is the kept maximum and the kept sum is 1).
+    alone = target_alone & (jnp.max(any_kept) == 0)
+    alone_max = jnp.maximum(neg, jnp.maximum(raw_target, _EXCLUDED))
+    needs_exact = anything_kept & ~empty & ~alone & (shared_sum < _SHARED_MASKED_MIN)
     masked_max, masked_sum = lax.cond(needs_exact, exact_pass, shared_result)
+    masked_max = jnp.where(alone, jnp.where(alone_max <= NEG, -jnp.inf, alone_max * inv_tau),
+                           masked_max)
+    masked_sum = jnp.where(alone, jnp.where(alone_max <= NEG, 0.0, 1.0), masked_sum)
     masked_max_ref, masked_sum_ref = out_refs
     masked_max_ref[...] = masked_max
     masked_sum_ref[...] = masked_sum

@@ -448,19 +448,43 @@ def test_gradient_of_the_gradient(implementation, mask):
 # --------------------------------------------------------------------------- masks
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known, open (found by test_random_calls in session 18's CI, present at session 17's "
-    "code too): on rows whose mask keeps only the target, far below the row's maximum "
-    "(|x| up to 49 here), the Pallas backward's kept-softmax term comes from the row's "
-    "exponential times 2^gap in log2 units, so it cancels the target's term only to "
-    "~|x| * 2^-24: max |g| 3.7e-5 where the float64 gradient is 0 (XLA: exactly 0)"))
 def test_target_only_rows_far_below_the_maximum_pallas():
-    """The failing example test_random_calls drew, pinned: V = 2, three rows whose masks
-    keep only the target, fp32 logits up to 14.7 at temperature 0.3, log-prob only."""
+    """The example test_random_calls drew in session 18's CI, pinned: V = 2, three rows
+    whose masks keep only the target, fp32 logits up to 14.7 at temperature 0.3 (|x| up
+    to 49), log-prob only. The Pallas forward folded such a target into the kept sum as
+    exactly 1 while its backward recomputed 2^d with |x| 2^-24 rounding: max |g| 3.7e-5
+    where float64 gives 0 (`combine` now stops that gradient, exact there)."""
     logits, targets, keep_mask = make_inputs(524288, (3,), 2, F32, mask="random", scale=10.0)
     check_against_reference(logits, targets, keep_mask=keep_mask, temperature=0.3,
                             with_entropy=False, entropy_grad=False, implementation="pallas",
                             seed=288, jit=False)
+
+
+@pytest.mark.parametrize("implementation,num_vocab", [
+    ("pallas", 2), ("pallas", 300), ("xla", 300), ("reference", 300),
+    ("pallas_mosaic", 1040),  # the Mosaic kernels (V % 16 == 0)
+])
+def test_target_alone_far_below_the_maximum_has_zero_gradient(implementation, num_vocab):
+    """Rows whose mask keeps nothing (the target alone counts as kept), the target 20 to
+    160 units of x below the row maximum: log_prob 0 (to the value bound) and its
+    gradient 0 to a few roundings of its coefficient |g_lp| / tau (it was |x| 2^-24 of
+    it), with the entropy's gradient there and right (against float64)."""
+    T = 24
+    k = jax.random.split(jax.random.key(num_vocab), 3)
+    logits = jax.random.normal(k[0], (T, num_vocab), F32) * 3
+    targets = jax.random.randint(k[1], (T,), 0, num_vocab)
+    below = jnp.linspace(6.0, 48.0, T, dtype=F32)  # x = logits / 0.3: 20 to 160 below
+    logits = logits.at[jnp.arange(T), targets].set(logits.max(axis=1) - below)
+    keep_mask = jnp.zeros((T, num_vocab), bool)
+    out = check_against_reference(logits, targets, keep_mask=keep_mask, temperature=0.3,
+                                  implementation=implementation, seed=3)
+    assert np.abs(np.asarray(out.log_prob)).max() <= 1e-5 * 160
+    g_lp, _ = random_cotangents(5, (T,))
+    _, _, grad = op_with_vjp_jit(logits, targets, keep_mask, g_lp, None, temperature=0.3,
+                                 with_entropy=False, entropy_grad=False,
+                                 implementation=implementation)
+    ratio = np.abs(np.asarray(grad)).max(axis=1) / (np.abs(np.asarray(g_lp)) / 0.3)
+    assert np.all(ratio <= 4 * 2.0 ** -24), ratio
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)

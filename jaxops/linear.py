@@ -8,12 +8,12 @@ inside the custom VJP:
   forward   for each chunk of columns c: logits_c = hidden @ weight_c.T `[T, C]` (fp32
             accumulation), the implementation's `forward_stats(logits_c)`, merged into
             the running O(T) row statistics (an online log-sum-exp over chunks, the
-            same merge as over vocabulary shards). On Hopper+ GPUs, for bf16/fp16 and
-            no keep mask, instead one Mosaic GPU kernel that folds each wgmma tile of
+            same merge as over vocabulary shards). On Hopper+ GPUs, for bf16/fp16 (with
+            a keep mask: V_loc % 16 == 0), instead one Mosaic GPU kernel that folds each wgmma tile of
             logits into the statistics in registers (`linear_mosaic.py`; no chunk of
             logits in HBM at all; beyond T = 4096 one launch per 2048 rows).
   backward  for each chunk (the narrower tail chunk first): recompute logits_c,
-            `backward_logits` -> d logits_c (on Hopper+, bf16/fp16, no mask, T <= 4096:
+            `backward_logits` -> d logits_c (on Hopper+, bf16/fp16, T <= 4096:
             both in one Mosaic GPU kernel, `linear_mosaic.backward_logits`), then
             d weight_c = d logits_c^T @ hidden (complete: one GEMM over all T, written
             once) and d hidden += d logits_c @ weight_c (an fp32 `[T, H]` accumulator).
@@ -424,8 +424,8 @@ def linear_logprob_entropy(
         chunk; "reference" forms the full logits and runs the reference op (the oracle;
         unsharded, float64-capable). "pallas" on a Hopper+ GPU (and "pallas_mosaic")
         run the forward as one fused GEMM + statistics kernel where
-        `linear_mosaic.applies` (bf16/fp16, no keep mask, T a multiple of 8, H of 64,
-        V_loc of 8), and the backward's d logits with a kernel that recomputes the
+        `linear_mosaic.applies` (bf16/fp16, T a multiple of 8, H of 64, V_loc of 8; of
+        16 with a keep mask), and the backward's d logits with a kernel that recomputes the
         logits where it also holds and T <= 4096 (where each was measured faster); a
         Triton `PallasConfig` keeps both chunked.
       chunk_size: vocabulary columns per chunk (any int >= 1; it need not divide

@@ -19,9 +19,9 @@ statistics kernels' gradient arithmetic on them in registers
 (`pallas_mosaic.softmax_terms`), stored through SMEM with TMA. It replaces the chunk's
 fp32 logits GEMM and the statistics kernel's pass over them.
 
-`linear.linear_logprob_entropy` takes both where `applies` says so (no keep mask,
-bf16/fp16, T a multiple of 8, H of 64, V_loc of 8), the backward only up to
-MAX_FUSED_BACKWARD_TOKENS rows and with chunks of a multiple of 8 columns. Both also
+`linear.linear_logprob_entropy` takes both where `applies` says so (bf16/fp16, T a
+multiple of 8, H of 64, V_loc of 8), the backward only up to
+MAX_FUSED_BACKWARD_TOKENS rows and with chunks of a multiple of 8 columns (16 with a mask). Both also
 take a keep mask (V_loc a multiple of 16 then; `MASKED` switches that off).
 
 The grid is (chunks, row blocks), row blocks fastest: the CTAs resident at one time
@@ -225,8 +225,13 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
     tile_fn = functools.partial(_logits_tile, hidden_size=hidden_size, block_n=block_n,
                                 block_k=block_k, num_stages=num_stages, interpret=interpret)
     inv_tau = float(inv_tau)
-    # max, sum[, shifted][, kept max, kept sum], target logit
-    num_out = 3 + with_entropy + 2 * masked
+    # max, sum, shifted[, kept max, kept sum], target logit. The kernel sums 2^d d even
+    # without the entropy (dropped at the end): on the H200 at T = H = 4096 the kernel
+    # without that sum took 9.51 ms against 8.51 with it, and the op's forward without
+    # the entropy 9.61 against 8.32 ms with the sum computed and dropped, bitwise the
+    # same log-probs (benchmarks/NOTES.md session 19; why the smaller kernel is slower
+    # was not traced).
+    num_out = 4 + 2 * masked
     grid_names = tuple(grid_order.split(","))
     if sorted(grid_names) != ["chunks", "rows"]:
         raise ValueError(f"grid_order must name rows and chunks, got {grid_order!r}")
@@ -275,7 +280,7 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
 
         neg = pm._row_vector(NEG, jnp.float32, config)
         zero = pm._row_vector(0.0, jnp.float32, config)
-        stats = (neg, zero, zero if with_entropy else None, neg if masked else None,
+        stats = (neg, zero, zero, neg if masked else None,
                  zero if masked else None, zero)
         stats = lax.fori_loop(0, per_chunk, column_tile, stats)
         results = [s for s in stats if s is not None]
@@ -304,7 +309,7 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
     outs = [o[:, :num_tokens]
             for o in call(hidden, weight, targets, *([keep_mask] if masked else []))]
     row_max, sum_exp = outs.pop(0), outs.pop(0)
-    shifted = outs.pop(0) if with_entropy else None
+    shifted = outs.pop(0)
     # One chunk at most holds a row's target (the others add 0): the sum is exact.
     target_raw = outs.pop().sum(axis=0)
     max_logit, sum_exp, sum_exp_shifted = pm.row_statistics(row_max, sum_exp, shifted,
@@ -314,7 +319,7 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
         safe_target = jnp.where(on_shard, local_targets, 0).astype(jnp.int32)
         masked_max, masked_sum_exp = pm.kept_statistics(
             *outs, target_raw, keep_mask, safe_target, on_shard, inv_tau)
-    return LocalStats(max_logit, sum_exp, sum_exp_shifted,
+    return LocalStats(max_logit, sum_exp, sum_exp_shifted if with_entropy else None,
                       jnp.where(on_shard, target_raw * inv_tau, 0.0), masked_max,
                       masked_sum_exp)
 

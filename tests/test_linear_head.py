@@ -193,11 +193,13 @@ def test_fused_row_groups_and_chunked_backward_through_the_op(monkeypatch, fused
 
 
 def test_fused_kernels_only_where_they_apply(fused_calls):
-    """A keep mask, T % 8 != 0 or H % 64 != 0 keep the chunked forward and backward; a
-    `chunk_size` that is not a multiple of 8 keeps the chunked backward (on the GPU the
-    kernel's weight rows must be; the fused forward takes the whole shard)."""
-    for lead, hidden_size, mask in (((16,), 64, True), ((12,), 64, False), ((16,), 48, False)):
-        run_case(lead, hidden_size, 80, BF16, mask=mask, chunk_size=32,
+    """A keep mask with V_loc % 16 != 0, T % 8 != 0 or H % 64 != 0 keep the chunked
+    forward and backward; a `chunk_size` that is not a multiple of 8 keeps the chunked
+    backward (on the GPU the kernel's weight rows must be; the fused forward takes the
+    whole shard)."""
+    for lead, hidden_size, num_vocab, mask in (((16,), 64, 72, True), ((12,), 64, 80, False),
+                                               ((16,), 48, 80, False)):
+        run_case(lead, hidden_size, num_vocab, BF16, mask=mask, chunk_size=32,
                  implementation="pallas_mosaic", seed=6)
     assert fused_calls == {"forward": [], "backward": []}
     run_case((16,), 64, 80, BF16, mask=False, chunk_size=20, implementation="pallas_mosaic",

@@ -460,6 +460,17 @@ def test_target_only_rows_far_below_the_maximum_pallas():
                             seed=288, jit=False)
 
 
+def target_alone_inputs(num_tokens, num_vocab):
+    """Logits `[T, V]` whose target sits 6 to 48 below its row's maximum (20 to 160 units
+    of x at temperature 0.3), and a mask that keeps nothing: the target alone is kept."""
+    k = jax.random.split(jax.random.key(num_vocab), 2)
+    logits = jax.random.normal(k[0], (num_tokens, num_vocab), F32) * 3
+    targets = jax.random.randint(k[1], (num_tokens,), 0, num_vocab)
+    below = jnp.linspace(6.0, 48.0, num_tokens, dtype=F32)
+    logits = logits.at[jnp.arange(num_tokens), targets].set(logits.max(axis=1) - below)
+    return logits, targets, jnp.zeros((num_tokens, num_vocab), bool)
+
+
 @pytest.mark.parametrize("implementation,num_vocab", [
     ("pallas", 2), ("pallas", 300), ("xla", 300), ("reference", 300),
     ("pallas_mosaic", 1040),  # the Mosaic kernels (V % 16 == 0)
@@ -469,13 +480,8 @@ def test_target_alone_far_below_the_maximum_has_zero_gradient(implementation, nu
     160 units of x below the row maximum: log_prob 0 (to the value bound) and its
     gradient 0 to a few roundings of its coefficient |g_lp| / tau (it was |x| 2^-24 of
     it), with the entropy's gradient there and right (against float64)."""
-    T = 24
-    k = jax.random.split(jax.random.key(num_vocab), 3)
-    logits = jax.random.normal(k[0], (T, num_vocab), F32) * 3
-    targets = jax.random.randint(k[1], (T,), 0, num_vocab)
-    below = jnp.linspace(6.0, 48.0, T, dtype=F32)  # x = logits / 0.3: 20 to 160 below
-    logits = logits.at[jnp.arange(T), targets].set(logits.max(axis=1) - below)
-    keep_mask = jnp.zeros((T, num_vocab), bool)
+    logits, targets, keep_mask = target_alone_inputs(24, num_vocab)
+    T = targets.shape[0]
     out = check_against_reference(logits, targets, keep_mask=keep_mask, temperature=0.3,
                                   implementation=implementation, seed=3)
     assert np.abs(np.asarray(out.log_prob)).max() <= 1e-5 * 160
@@ -980,3 +986,20 @@ def test_staged_flags(implementation, num_shards, with_entropy, entropy_grad):
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=dtype_id)
 def test_staged_pallas(dtype):
     check_staged("pallas", 4, "first_quarter", dtype=dtype)
+
+
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_staged_target_alone_on_one_of_four_shards(implementation):
+    """The target-alone rows of test_target_alone_far_below_the_maximum_has_zero_gradient
+    on 4 vocabulary shards: the kept set is a point mass on one shard while the others
+    keep nothing, and the combine over shards still sees it (log_prob's gradient 0 to a
+    few roundings of |g_lp| / tau)."""
+    logits, targets, keep_mask = target_alone_inputs(16, 300)
+    g_lp, g_h = random_cotangents(6, (16,))
+    outputs = run_staged(logits, targets, keep_mask, 4, temperature=0.3, with_entropy=False,
+                         entropy_grad=False, implementation=implementation, g_lp=g_lp,
+                         g_h=g_h)
+    assert_matches_reference(logits, targets, keep_mask, 0.3, *outputs, g_lp, g_h,
+                             with_entropy=False, entropy_grad=False)
+    ratio = np.abs(np.asarray(outputs[2])).max(axis=1) / (np.abs(np.asarray(g_lp)) / 0.3)
+    assert np.all(ratio <= 4 * 2.0 ** -24), ratio

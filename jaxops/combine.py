@@ -71,9 +71,9 @@ def combine(
         # A kept set that is the target alone (to fp32: the target is the kept maximum
         # and the kept sum is exactly 1): log_prob is 0 for all nearby logits, so its
         # gradient is 0. The kernels fold such a target into the forward's sum as exactly
-        # 1 but recompute its 2^d in the backward with the rounding of |x| * 2^-24 (FMA
-        # contraction included), which left |g| ~ |x| 2^-24 |g_lp| / tau where 0 is
-        # exact; other kept logits that round away from a sum of 1 weigh < 2^-24.
+        # 1 but recompute its 2^d in the backward, where d rounds to ~|x| * 2^-24 rather
+        # than 0, which left |g| ~ |x| 2^-24 |g_lp| / tau where 0 is exact; other kept
+        # logits that round away from a sum of 1 weigh < 2^-24.
         point_mass = (target_logit == global_maxima[1]) & (sums[-1] == 1.0)
         log_prob = jnp.where(point_mass, lax.stop_gradient(log_prob), log_prob)
     log_prob = jnp.where(targets_valid, log_prob, jnp.nan)

@@ -265,8 +265,8 @@ def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_ent
 
     # Where the mask keeps nothing, the target alone is kept: its own logit is the
     # reference and its 2^0 = 1 the sum, exactly (no second pass). Relative to the row
-    # max instead, the forward's scalar 2^d and the backward's vector one round apart
-    # (FMA contraction), and `combine` could not see the point mass (it zeroes its
+    # max instead, the forward's scalar 2^d and the backward's vector one round apart,
+    # and `combine` could not see the point mass (it zeroes its
     # gradient where the target is the kept maximum and the kept sum is 1).
     alone = target_alone & (jnp.max(any_kept) == 0)
     alone_max = jnp.maximum(neg, jnp.maximum(raw_target, _EXCLUDED))

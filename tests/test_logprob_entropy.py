@@ -471,6 +471,23 @@ def target_alone_inputs(num_tokens, num_vocab):
     return logits, targets, jnp.zeros((num_tokens, num_vocab), bool)
 
 
+def assert_gradient_within_roundings(grad, g_lp, temperature=0.3):
+    """Every row of d log_prob / d logits `[T, V]` is 0 to a few roundings (4 ulps of
+    fp32) of its coefficient's size |g_lp| / tau."""
+    ratio = np.abs(np.asarray(grad)).max(axis=1) / (np.abs(np.asarray(g_lp)) / temperature)
+    assert np.all(ratio <= 4 * 2.0 ** -24), ratio
+
+
+def assert_log_prob_gradient_vanishes(logits, targets, keep_mask, implementation):
+    """The log-prob's gradient alone (no entropy) at temperature 0.3 for random
+    cotangents: 0 to a few roundings of |g_lp| / tau in every row."""
+    g_lp, _ = random_cotangents(5, targets.shape)
+    _, _, grad = op_with_vjp_jit(logits, targets, keep_mask, g_lp, None, temperature=0.3,
+                                 with_entropy=False, entropy_grad=False,
+                                 implementation=implementation)
+    assert_gradient_within_roundings(grad, g_lp)
+
+
 @pytest.mark.parametrize("implementation,num_vocab", [
     ("pallas", 2), ("pallas", 300), ("xla", 300), ("reference", 300),
     ("pallas_mosaic", 1040),  # the Mosaic kernels (V % 16 == 0)
@@ -481,16 +498,10 @@ def test_target_alone_far_below_the_maximum_has_zero_gradient(implementation, nu
     gradient 0 to a few roundings of its coefficient |g_lp| / tau (it was |x| 2^-24 of
     it), with the entropy's gradient there and right (against float64)."""
     logits, targets, keep_mask = target_alone_inputs(24, num_vocab)
-    T = targets.shape[0]
     out = check_against_reference(logits, targets, keep_mask=keep_mask, temperature=0.3,
                                   implementation=implementation, seed=3)
     assert np.abs(np.asarray(out.log_prob)).max() <= 1e-5 * 160
-    g_lp, _ = random_cotangents(5, (T,))
-    _, _, grad = op_with_vjp_jit(logits, targets, keep_mask, g_lp, None, temperature=0.3,
-                                 with_entropy=False, entropy_grad=False,
-                                 implementation=implementation)
-    ratio = np.abs(np.asarray(grad)).max(axis=1) / (np.abs(np.asarray(g_lp)) / 0.3)
-    assert np.all(ratio <= 4 * 2.0 ** -24), ratio
+    assert_log_prob_gradient_vanishes(logits, targets, keep_mask, implementation)
 
 
 @pytest.mark.skipif(ON_GPU, reason="pins interpret-mode (CPU) arithmetic")
@@ -526,12 +537,7 @@ def test_target_kept_by_its_own_bit_far_below_the_maximum(implementation, num_vo
     roundings of |g_lp| / tau (CPU: up to 1.4e-5 of it seen)."""
     logits, targets, _ = target_alone_inputs(24, num_vocab)
     keep_mask = jnp.zeros(logits.shape, bool).at[jnp.arange(24), targets].set(True)
-    g_lp, _ = random_cotangents(5, (24,))
-    _, _, grad = op_with_vjp_jit(logits, targets, keep_mask, g_lp, None, temperature=0.3,
-                                 with_entropy=False, entropy_grad=False,
-                                 implementation=implementation)
-    ratio = np.abs(np.asarray(grad)).max(axis=1) / (np.abs(np.asarray(g_lp)) / 0.3)
-    assert np.all(ratio <= 4 * 2.0 ** -24), ratio
+    assert_log_prob_gradient_vanishes(logits, targets, keep_mask, implementation)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -1042,5 +1048,4 @@ def test_staged_target_alone_on_one_of_four_shards(implementation):
                          g_h=g_h)
     assert_matches_reference(logits, targets, keep_mask, 0.3, *outputs, g_lp, g_h,
                              with_entropy=False, entropy_grad=False)
-    ratio = np.abs(np.asarray(outputs[2])).max(axis=1) / (np.abs(np.asarray(g_lp)) / 0.3)
-    assert np.all(ratio <= 4 * 2.0 ** -24), ratio
+    assert_gradient_within_roundings(outputs[2], g_lp)

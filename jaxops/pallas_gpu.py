@@ -204,13 +204,13 @@ def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_ent
 
     def fold(start, bounded, tile, acc):
         stored, keep = tile
-        row_max, sum_vec, shifted_vec, masked_vec, any_kept = acc
+        row_max, sum_vec, shifted_vec, masked_vec, kept_count = acc
         row_max, sum_vec, shifted_vec, masked_vec = _online_update(
             row_max, sum_vec, shifted_vec, masked_vec, _widen(stored), keep, inv_tau, config)
         if masked:
-            # An int max, not `|`: Triton lowering has no reduce_or for the final any().
-            any_kept = jnp.maximum(any_kept, keep.astype(jnp.int32))
-        return row_max, sum_vec, shifted_vec, masked_vec, any_kept
+            # Per lane; the row's count tells a kept set of the target alone (below).
+            kept_count = kept_count + keep.astype(jnp.int32)
+        return row_max, sum_vec, shifted_vec, masked_vec, kept_count
 
     def stream(fold, acc):
         return _stream_tiles(load, fold, acc, num_vocab=num_vocab, block_v=block_v,
@@ -219,7 +219,7 @@ def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_ent
     acc = (neg, zeros, zeros if with_entropy else None,
            zeros if masked else None,
            jnp.zeros((block_v,), jnp.int32) if masked else None)
-    row_max, sum_vec, shifted_vec, masked_vec, any_kept = stream(fold, acc)
+    row_max, sum_vec, shifted_vec, masked_vec, kept_count = stream(fold, acc)
 
     empty = row_max <= NEG  # no finite logit in this row
     max_x = jnp.where(empty, -jnp.inf, row_max * inv_tau)
@@ -236,11 +236,13 @@ def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_ent
         return
 
     # The target always counts as kept; add it here if its mask bit is off.
-    target_alone = on_shard & jnp.logical_not(mask_ref[safe_target])
+    target_bit = mask_ref[safe_target]
+    target_alone = on_shard & jnp.logical_not(target_bit)
+    kept_total = jnp.sum(kept_count)
     target_exp = jnp.exp2(jnp.maximum(raw_target, _EXCLUDED) * (inv_tau * _LOG2E)
                           + _neg_reference(row_max * inv_tau))
     shared_sum = jnp.sum(masked_vec) + jnp.where(target_alone, target_exp, 0.0)
-    anything_kept = (jnp.max(any_kept) > 0) | on_shard
+    anything_kept = (kept_total > 0) | on_shard
 
     def exact_pass():
         def fold_kept(start, bounded, tile, acc):
@@ -263,18 +265,23 @@ def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_ent
         return (jnp.where(anything_kept & ~empty, max_x, -jnp.inf),
                 jnp.where(anything_kept & ~empty, shared_sum, 0.0))
 
-    # Where the mask keeps nothing, the target alone is kept: its own logit is the
-    # reference and its 2^0 = 1 the sum, exactly (no second pass). Relative to the row
-    # max instead, the forward's scalar 2^d and the backward's vector one round apart,
-    # and `combine` could not see the point mass (it zeroes its
+    # Where the kept set is the target alone (the mask keeps nothing, or only the
+    # target's own bit), its own logit is the reference and its 2^0 = 1 the sum, exactly
+    # (no second pass). Relative to the row max instead, the sum is the target's 2^d,
+    # which the backward's 2^d need not match to the bit (the CPU's scalar and vector
+    # ones did not), and `combine` could not see the point mass (it zeroes its
     # gradient where the target is the kept maximum and the kept sum is 1).
-    alone = target_alone & (jnp.max(any_kept) == 0)
+    # (No jnp.where of int constants here: the Triton lowering rejects its i1/i64 select.)
+    alone = ((target_alone & (kept_total == 0))
+             | (on_shard & target_bit & (kept_total == 1)))
     alone_max = jnp.maximum(neg, jnp.maximum(raw_target, _EXCLUDED))
     needs_exact = anything_kept & ~empty & ~alone & (shared_sum < _SHARED_MASKED_MIN)
     masked_max, masked_sum = lax.cond(needs_exact, exact_pass, shared_result)
     masked_max = jnp.where(alone, jnp.where(alone_max <= NEG, -jnp.inf, alone_max * inv_tau),
                            masked_max)
-    masked_sum = jnp.where(alone, jnp.where(alone_max <= NEG, 0.0, 1.0), masked_sum)
+    # 0 or 1 as a conversion, not where(.., 0.0, 1.0): with x64 off, JAX's Triton
+    # lowering emitted those two literals as i1 constants (invalid IR; jax 0.10-0.11).
+    masked_sum = jnp.where(alone, (alone_max > NEG).astype(jnp.float32), masked_sum)
     masked_max_ref, masked_sum_ref = out_refs
     masked_max_ref[...] = masked_max
     masked_sum_ref[...] = masked_sum

@@ -1,0 +1,80 @@
+"""The Triton kernels lowered for CUDA on the CPU, and their IR put through MLIR's verifier.
+
+Interpret mode runs a kernel's jaxpr, not its Triton IR, so it accepts kernels that the
+GPU then refuses: in session 20 a `jnp.where(.., 0.0, 1.0)` in the forward lowered, with
+jax_enable_x64 off, to an `arith.select` of i1 constants into an f32 (the GPU plugin:
+"Failed to parse Triton module"), and `jnp.where(bit, 1, 0)` with x64 on tripped an
+assertion of the lowering itself. Both show up here, without a GPU: the GPU plugin's
+parse step is this verifier.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from jaxops import pallas_gpu
+from jaxops.contract import BackwardCoefs
+from jaxops.pallas_config import PallasConfig
+
+lowering = pytest.importorskip("jax._src.pallas.triton.lowering")
+
+S = jax.ShapeDtypeStruct
+COMPILED = PallasConfig(interpret=False)
+
+
+@pytest.fixture
+def triton_modules(monkeypatch):
+    """The Triton modules lowered while the test runs."""
+    modules = []
+    lower = lowering.lower_jaxpr_to_triton_module
+
+    def spy(*args, **kwargs):
+        result = lower(*args, **kwargs)
+        modules.append(result.module)
+        return result
+
+    monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", spy)
+    return modules
+
+
+def _forward(masked, with_entropy):
+    def fn(logits, targets, mask):
+        stats = pallas_gpu.forward_stats(logits, targets, mask if masked else None,
+                                         inv_tau=1.4, with_entropy=with_entropy,
+                                         config=COMPILED)
+        return [s for s in stats if s is not None]
+    return fn
+
+
+def _backward(masked, entropy):
+    def fn(logits, targets, mask):
+        row = jnp.ones(targets.shape, jnp.float32)
+        coefs = BackwardCoefs(row, row if entropy else None, row, row if masked else None)
+        return pallas_gpu.backward_logits(logits, targets, mask if masked else None, row,
+                                          row if masked else None, coefs, inv_tau=1.4,
+                                          config=COMPILED)
+    return fn
+
+
+@pytest.mark.parametrize("x64", [True, False], ids=["x64", "x32"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_triton_kernels_lower_to_valid_ir(triton_modules, x64, dtype):
+    """Forward (mask x entropy) and backward (mask x entropy), V = 1000 (full tiles and a
+    partial one), both x64 modes: every lowered module verifies."""
+    args = (S((16, 1000), dtype), S((16,), jnp.int32), S((16, 1000), jnp.bool_))
+    with jax.enable_x64(x64):
+        for make, (masked, flag) in itertools.product(
+                (_forward, _backward), itertools.product((False, True), repeat=2)):
+            try:
+                jax.jit(make(masked, flag)).trace(*args).lower(lowering_platforms=("cuda",))
+            except Exception as err:
+                if "Failed to" in str(err) or isinstance(err, AssertionError):
+                    raise
+                pytest.skip(f"cannot lower the Triton kernels for CUDA here: {err!r:.200}")
+    assert len(triton_modules) == 8
+    for module in triton_modules:
+        module.operation.verify()  # raises MLIRError with the offending op

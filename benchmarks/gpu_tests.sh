@@ -7,6 +7,13 @@
 #     bash benchmarks/gpu_tests.sh c   # the bridge's direct route ~370 s (incl. 4 batch-
 #                                      # invariance tests at T = 8192, ~60 s each), and the
 #                                      # PPO example (50 steps against float64 and Megatron)
+# JOBS=N (optional; needs pytest-xdist, which the device image has): N test processes share
+# the one GPU, with XLA_PYTHON_CLIENT_ALLOCATOR=platform so that each test's memory goes back
+# (with XLA's caching allocator, 8 processes ran test_mosaic.py's T = 8192 tests out of
+# memory on the H200). Session 20 (H100): test_batch_invariance.py -m gpu with 6 processes
+# 68 s (245 s in one, session 14), test_logprob_entropy.py with 8 54 s, test_sharding_gpu.py
+# with 4 22 s; the linear files with 6 had one failure that the cut log did not name, so
+# run those alone when a failure must be told apart from the sharing.
 # carry: .whl (a megatron-core wheel for the device's Python). Each file runs under its own
 # time limit, so one slow file cannot hide the others' results; logs (with pytest's
 # slowest durations) go to $OUT/<file>.log and one summary line per file is printed.
@@ -19,11 +26,16 @@ else
     echo "no .whl/megatron_core-*.whl: the Megatron parity tests will fail" >&2
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+PARALLEL=()
+if [ -n "${JOBS:-}" ]; then
+    PARALLEL=(-n "$JOBS")
+    export XLA_PYTHON_CLIENT_ALLOCATOR=platform
+fi
 run() {  # run SECONDS FILE [pytest args...]
     local limit=$1 file=$2; shift 2
     local log="$OUT/$(basename "$file" .py).log" t0=$(date +%s)
     timeout "$limit" python3 -m pytest -q -p no:cacheprovider -p no:warnings -rfs \
-        --durations=5 "$file" "$@" > "$log" 2>&1
+        --durations=5 ${PARALLEL[@]+"${PARALLEL[@]}"} "$file" "$@" > "$log" 2>&1
     local rc=$?
     echo "== $file rc=$rc $(( $(date +%s) - t0 ))s: $(grep -E '(passed|failed|error)' "$log" | tail -n 1)"
     [ $rc = 124 ] && echo "   (time limit $limit s hit: $(grep -cE '^\.|^F' "$log") progress lines)"

@@ -1045,12 +1045,16 @@ def test_staged_pallas(dtype):
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
-def test_staged_target_alone_on_one_of_four_shards(implementation):
+@pytest.mark.parametrize("target_bit", [False, True], ids=["bit_off", "bit_on"])
+def test_staged_target_alone_on_one_of_four_shards(implementation, target_bit):
     """The target-alone rows of test_target_alone_far_below_the_maximum_has_zero_gradient
     on 4 vocabulary shards: the kept set is a point mass on one shard while the others
     keep nothing, and the combine over shards still sees it (log_prob's gradient 0 to a
-    few roundings of |g_lp| / tau)."""
+    few roundings of |g_lp| / tau), whether the mask's bit keeps the target or not (the
+    Triton forward's kept count)."""
     logits, targets, keep_mask = target_alone_inputs(16, 300)
+    if target_bit:
+        keep_mask = keep_mask.at[jnp.arange(16), targets].set(True)
     g_lp, g_h = random_cotangents(6, (16,))
     outputs = run_staged(logits, targets, keep_mask, 4, temperature=0.3, with_entropy=False,
                          entropy_grad=False, implementation=implementation, g_lp=g_lp,

@@ -23,7 +23,12 @@ from jaxops.pallas_config import PallasConfig
 lowering = pytest.importorskip("jax._src.pallas.triton.lowering")
 
 S = jax.ShapeDtypeStruct
-COMPILED = PallasConfig(interpret=False)
+# The tuned defaults (which differ by dtype, mask and entropy) and explicit variants that
+# take the kernels' other branches (`pallas_config.PallasConfig`).
+CONFIGS = {"tuned": PallasConfig(),
+           "all_on": PallasConfig(prefetch=True, scalar_sums=True, skip_rescale=True),
+           "all_off": PallasConfig(prefetch=False, scalar_sums=False, skip_rescale=False,
+                                   approx_exp2=False)}
 
 
 @pytest.fixture
@@ -41,36 +46,39 @@ def triton_modules(monkeypatch):
     return modules
 
 
-def _forward(masked, with_entropy):
+def _forward(config, masked, with_entropy):
     def fn(logits, targets, mask):
         stats = pallas_gpu.forward_stats(logits, targets, mask if masked else None,
                                          inv_tau=1.4, with_entropy=with_entropy,
-                                         config=COMPILED)
+                                         config=config)
         return [s for s in stats if s is not None]
     return fn
 
 
-def _backward(masked, entropy):
+def _backward(config, masked, entropy):
     def fn(logits, targets, mask):
         row = jnp.ones(targets.shape, jnp.float32)
         coefs = BackwardCoefs(row, row if entropy else None, row, row if masked else None)
         return pallas_gpu.backward_logits(logits, targets, mask if masked else None, row,
                                           row if masked else None, coefs, inv_tau=1.4,
-                                          config=COMPILED)
+                                          config=config)
     return fn
 
 
+@pytest.mark.parametrize("config", CONFIGS)
 @pytest.mark.parametrize("x64", [True, False], ids=["x64", "x32"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_triton_kernels_lower_to_valid_ir(triton_modules, x64, dtype):
+def test_triton_kernels_lower_to_valid_ir(triton_modules, x64, dtype, config):
     """Forward (mask x entropy) and backward (mask x entropy), V = 1000 (full tiles and a
-    partial one), both x64 modes: every lowered module verifies."""
+    partial one), both x64 modes, tuned and explicit launch variants: every lowered
+    module verifies."""
     args = (S((16, 1000), dtype), S((16,), jnp.int32), S((16, 1000), jnp.bool_))
     with jax.enable_x64(x64):
         for make, (masked, flag) in itertools.product(
                 (_forward, _backward), itertools.product((False, True), repeat=2)):
             try:
-                jax.jit(make(masked, flag)).trace(*args).lower(lowering_platforms=("cuda",))
+                jax.jit(make(CONFIGS[config], masked, flag)).trace(*args).lower(
+                    lowering_platforms=("cuda",))
             except Exception as err:
                 if "Failed to" in str(err) or isinstance(err, AssertionError):
                     raise

@@ -76,13 +76,10 @@ def test_triton_kernels_lower_to_valid_ir(triton_modules, x64, dtype, config):
     with jax.enable_x64(x64):
         for make, (masked, flag) in itertools.product(
                 (_forward, _backward), itertools.product((False, True), repeat=2)):
-            try:
-                jax.jit(make(CONFIGS[config], masked, flag)).trace(*args).lower(
-                    lowering_platforms=("cuda",))
-            except Exception as err:
-                if "Failed to" in str(err) or isinstance(err, AssertionError):
-                    raise
-                pytest.skip(f"cannot lower the Triton kernels for CUDA here: {err!r:.200}")
+            # Any error fails: lowering needs no GPU (an assertion of the lowering is
+            # one of the bugs this test is for).
+            jax.jit(make(CONFIGS[config], masked, flag)).trace(*args).lower(
+                lowering_platforms=("cuda",))
     assert len(triton_modules) == 8
     for module in triton_modules:
         module.operation.verify()  # raises MLIRError with the offending op

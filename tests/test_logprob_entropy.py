@@ -460,32 +460,40 @@ def test_target_only_rows_far_below_the_maximum_pallas():
                             seed=288, jit=False)
 
 
-def target_alone_inputs(num_tokens, num_vocab):
+def target_alone_inputs(num_tokens, num_vocab, target_bit=False):
     """Logits `[T, V]` whose target sits 6 to 48 below its row's maximum (20 to 160 units
-    of x at temperature 0.3), and a mask that keeps nothing: the target alone is kept."""
+    of x at temperature 0.3), and a mask that keeps nothing, or only the target's own
+    bit with `target_bit`: either way the target alone is kept."""
     k = jax.random.split(jax.random.key(num_vocab), 2)
     logits = jax.random.normal(k[0], (num_tokens, num_vocab), F32) * 3
     targets = jax.random.randint(k[1], (num_tokens,), 0, num_vocab)
     below = jnp.linspace(6.0, 48.0, num_tokens, dtype=F32)
     logits = logits.at[jnp.arange(num_tokens), targets].set(logits.max(axis=1) - below)
-    return logits, targets, jnp.zeros((num_tokens, num_vocab), bool)
+    keep_mask = jnp.zeros((num_tokens, num_vocab), bool)
+    if target_bit:
+        keep_mask = keep_mask.at[jnp.arange(num_tokens), targets].set(True)
+    return logits, targets, keep_mask
 
 
-def assert_gradient_within_roundings(grad, g_lp, temperature=0.3):
-    """Every row of d log_prob / d logits `[T, V]` is 0 to a few roundings (4 ulps of
-    fp32) of its coefficient's size |g_lp| / tau."""
+ROUNDINGS = 4 * 2.0 ** -24  # a few roundings: 4 ulps of fp32
+
+
+def assert_gradient_within_roundings(grad, g_lp, temperature=0.3, limit=ROUNDINGS):
+    """Every row of d log_prob / d logits `[T, V]` is 0 to `limit` (by default a few
+    roundings) of its coefficient's size |g_lp| / tau."""
     ratio = np.abs(np.asarray(grad)).max(axis=1) / (np.abs(np.asarray(g_lp)) / temperature)
-    assert np.all(ratio <= 4 * 2.0 ** -24), ratio
+    assert np.all(ratio <= limit), ratio
 
 
-def assert_log_prob_gradient_vanishes(logits, targets, keep_mask, implementation):
+def assert_log_prob_gradient_vanishes(logits, targets, keep_mask, implementation,
+                                      limit=ROUNDINGS):
     """The log-prob's gradient alone (no entropy) at temperature 0.3 for random
-    cotangents: 0 to a few roundings of |g_lp| / tau in every row."""
+    cotangents: 0 to `limit` (by default a few roundings) of |g_lp| / tau in every row."""
     g_lp, _ = random_cotangents(5, targets.shape)
     _, _, grad = op_with_vjp_jit(logits, targets, keep_mask, g_lp, None, temperature=0.3,
                                  with_entropy=False, entropy_grad=False,
                                  implementation=implementation)
-    assert_gradient_within_roundings(grad, g_lp)
+    assert_gradient_within_roundings(grad, g_lp, limit=limit)
 
 
 @pytest.mark.parametrize("implementation,num_vocab", [
@@ -528,8 +536,7 @@ def test_target_kept_by_its_own_bit_far_below_the_maximum():
     kept columns, so such rows also get the exact point mass (target, 1) and a gradient
     of 0 to a few roundings of |g_lp| / tau (before the count, up to 1.4e-5 of it on
     the CPU)."""
-    logits, targets, _ = target_alone_inputs(24, 300)
-    keep_mask = jnp.zeros(logits.shape, bool).at[jnp.arange(24), targets].set(True)
+    logits, targets, keep_mask = target_alone_inputs(24, 300, target_bit=True)
     assert_log_prob_gradient_vanishes(logits, targets, keep_mask, "pallas")
 
 
@@ -539,14 +546,9 @@ def test_target_kept_by_its_own_bit_mosaic_within_the_contract():
     d rounds apart from it, so the gradient is ~|x| 2^-24 |g_lp| / tau where 0 is exact
     (1.7e-6 of it seen on the CPU with |x| up to ~190): within docs/design.md §8's 1e-5
     per entry, not within a few roundings."""
-    logits, targets, _ = target_alone_inputs(24, 1040)
-    keep_mask = jnp.zeros(logits.shape, bool).at[jnp.arange(24), targets].set(True)
-    g_lp, _ = random_cotangents(5, targets.shape)
-    _, _, grad = op_with_vjp_jit(logits, targets, keep_mask, g_lp, None, temperature=0.3,
-                                 with_entropy=False, entropy_grad=False,
-                                 implementation="pallas_mosaic")
-    ratio = np.abs(np.asarray(grad)).max(axis=1) / (np.abs(np.asarray(g_lp)) / 0.3)
-    assert np.all(ratio <= grad_rtol(F32)), ratio
+    logits, targets, keep_mask = target_alone_inputs(24, 1040, target_bit=True)
+    assert_log_prob_gradient_vanishes(logits, targets, keep_mask, "pallas_mosaic",
+                                      limit=grad_rtol(F32))
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -1052,9 +1054,7 @@ def test_staged_target_alone_on_one_of_four_shards(implementation, target_bit):
     keep nothing, and the combine over shards still sees it (log_prob's gradient 0 to a
     few roundings of |g_lp| / tau), whether the mask's bit keeps the target or not (the
     Triton forward's kept count)."""
-    logits, targets, keep_mask = target_alone_inputs(16, 300)
-    if target_bit:
-        keep_mask = keep_mask.at[jnp.arange(16), targets].set(True)
+    logits, targets, keep_mask = target_alone_inputs(16, 300, target_bit)
     g_lp, g_h = random_cotangents(6, (16,))
     outputs = run_staged(logits, targets, keep_mask, 4, temperature=0.3, with_entropy=False,
                          entropy_grad=False, implementation=implementation, g_lp=g_lp,

@@ -21,6 +21,7 @@ import functools
 import importlib
 from types import ModuleType
 
+from jaxops import _mask_view
 from jaxops.pallas_config import MosaicConfig, PallasConfig, mosaic_rows_tile, mosaic_supported
 
 IMPLEMENTATIONS = ("pallas", "pallas_triton", "pallas_mosaic", "xla", "reference")
@@ -101,17 +102,18 @@ def pallas_backend(num_vocab: int, itemsize: int, mask_dtype, capability,
     compute capability (major, minor), None if unknown; `num_tokens`: the call's T
     (None: not known, taken as a multiple of 8). Mosaic where it runs (sm_90+, a JAX
     with its pieces, a V_loc its TMA tiles take) and was measured faster: V_loc >=
-    MOSAIC_MIN_VOCAB, the mask, if any, in bytes (uint8/int8), and T < 8 or a multiple
-    of 8. A bool mask would cost the Mosaic kernels an XLA pass over it
-    (`pallas_mosaic._mask_bytes`; on the H200 a bf16 masked forward 2.6x slower), which
-    the Triton kernels do not pay. Other T move untiled tiles (`mosaic_rows_tile`):
+    MOSAIC_MIN_VOCAB, the mask, if any, in bytes (uint8/int8; bool too where
+    `_mask_view.ENABLED`), and T < 8 or a multiple of 8. Otherwise a bool mask costs the
+    Mosaic kernels an XLA pass over it (`pallas_mosaic._mask_bytes`; on the H200 a bf16
+    masked forward 2.6x slower), which the Triton kernels do not pay. Other T move untiled tiles (`mosaic_rows_tile`):
     on the H200 at V = 151,936 with entropy, bf16 T = 8191 took 3.00 ms forward+backward
     against 1.86 ms at T = 8192 (Triton: 2.00 ms), fp32 3.81 ms (Triton 3.78 ms)."""
     import numpy as np
 
     if capability is None or tuple(capability) < (9, 0) or not mosaic_usable:
         return "pallas_triton"
-    if mask_dtype is not None and np.dtype(mask_dtype) not in (np.uint8, np.int8):
+    in_place = (np.uint8, np.int8) + ((np.bool_,) if _mask_view.ENABLED else ())
+    if mask_dtype is not None and np.dtype(mask_dtype) not in in_place:
         return "pallas_triton"
     if not mosaic_supported(num_vocab, itemsize, mask_dtype is not None):
         return "pallas_triton"

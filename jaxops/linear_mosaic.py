@@ -185,7 +185,8 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
     kept statistics are an online max and sum of their own (`pallas_mosaic.fold_tile`
     on the kept columns: a second exponential per element, but no second pass for rows
     whose kept maximum is far below their maximum, as the statistics kernel needs).
-    A bool mask costs one XLA pass to bytes (`pallas_mosaic._mask_bytes`).
+    A bool mask costs one XLA pass to bytes per launch (`pallas_mosaic._mask_bytes`),
+    none where `_mask_view.ENABLED`.
     `grid_order` "rows,chunks" exists for the probe's comparison only (see above).
     `row_group` (a multiple of 64): one kernel launch per group of that many rows; None:
     one launch; -1 (default): ROW_GROUP rows per launch where T > MAX_ONE_LAUNCH_TOKENS.
@@ -197,8 +198,6 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
     chunking and the statistics; the wgmma path is checked on the GPU."""
     num_tokens, hidden_size = hidden.shape
     num_vocab = weight.shape[0]
-    if keep_mask is not None:
-        keep_mask = pm._mask_bytes(keep_mask)  # once, before any row groups
     if row_group == -1:
         row_group = ROW_GROUP if num_tokens > MAX_ONE_LAUNCH_TOKENS else None
     if row_group is not None and num_tokens > row_group:
@@ -307,7 +306,9 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
     on_shard = (local_targets >= 0) & (local_targets < num_vocab)
     targets = pm.padded_targets(local_targets, num_vocab, padded)
     outs = [o[:, :num_tokens]
-            for o in call(hidden, weight, targets, *([keep_mask] if masked else []))]
+            for o in call(hidden, weight, targets,
+                          *([pm._mask_bytes(keep_mask, in_place=not interpret)] if masked
+                            else []))]
     row_max, sum_exp = outs.pop(0), outs.pop(0)
     shifted = outs.pop(0)
     # One chunk at most holds a row's target (the others add 0): the sum is exact.
@@ -421,7 +422,7 @@ def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoe
     targets = pm.padded_targets(local_targets, num_vocab, padded)
     out_shape = (padded, tiles * block_n) if interpret else (num_tokens, num_vocab)
     operands = (hidden, weight, targets, vectors) + (
-        (pm._mask_bytes(keep_mask),) if masked else ())
+        (pm._mask_bytes(keep_mask, in_place=not interpret),) if masked else ())
     mask_scratch = _mask_scratch(block_n, mask_transforms) if masked else []
     call = plgpu.kernel(
         kernel, out_type=varying_struct(out_shape, out_dtype, *operands, max_logit,

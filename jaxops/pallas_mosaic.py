@@ -31,7 +31,8 @@ T > 8 is not a multiple of 8 the tiles move unswizzled (`_transforms`), bitwise 
 same results, slower (bf16 1.6x at T = 8191; "pallas" picks Triton for such T). The kernels
 read the mask as bytes: a uint8 mask (nonzero = kept) in place, a bool one after
 `_mask_bytes`'s XLA pass over it (on the H200 that pass makes a bf16 masked forward
-2.6x slower: benchmarks/NOTES.md, "Mosaic kernels, session 10").
+2.6x slower: benchmarks/NOTES.md, "Mosaic kernels, session 10") or, where
+`_mask_view.ENABLED`, in place too.
 
 Measured on the H200 at T = 8192, V = 151,936 (uint8 masks): every fp32/bf16 x
 entropy x mask case within 1.06x of the HBM roofline, forward and forward+backward.
@@ -50,6 +51,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from jaxops import _mask_view
 from jaxops.contract import NEG, BackwardCoefs, LocalStats, ids_from_words, varying_struct
 from jaxops.pallas_config import (MosaicConfig, mosaic_defaults, mosaic_rows_tile,
                                   mosaic_supported)
@@ -209,13 +211,17 @@ def _transforms(num_tokens: int, num_vocab: int, itemsize: int, block_v: int):
     return ()
 
 
-def _mask_bytes(keep_mask):
-    """The keep mask as bytes: Mosaic GPU types bool refs as 1-bit (i1), so a bool
-    array cannot be copied with TMA. Costs one pass over the mask in XLA (T * V_loc
-    bytes read and written) per kernel call: callers that can hand over uint8 masks
-    avoid it."""
+def _mask_bytes(keep_mask, *, in_place: bool = False):
+    """The keep mask as bytes (nonzero = kept) for a kernel operand: Mosaic GPU types
+    bool refs as 1-bit (i1), so a bool array cannot be copied with TMA. A bool mask
+    costs one pass over it in XLA (T * V_loc bytes read and written) per kernel call,
+    unless `in_place` (the operand goes straight into a kernel launched on the GPU, not
+    the interpreter) and `_mask_view.ENABLED`. Callers that can hand over uint8 masks
+    avoid it either way."""
     if keep_mask.dtype in (jnp.uint8, jnp.int8):
         return keep_mask
+    if in_place and _mask_view.ENABLED:
+        return _mask_view.bytes_view(keep_mask)
     return keep_mask.astype(jnp.uint8)
 
 
@@ -506,7 +512,8 @@ def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
         compiler_params=_compiler_params(config),
         interpret=_interpret_params() if config.interpret else False,
     )
-    outs = list(kernel(logits, *([_mask_bytes(keep_mask)] if masked else [])))
+    outs = list(kernel(logits, *([_mask_bytes(keep_mask, in_place=not config.interpret)]
+                              if masked else [])))
     outs = [o[:, :num_tokens] for o in outs]
     row_max, sum_exp = outs.pop(0), outs.pop(0)
     shifted = outs.pop(0) if with_entropy else None
@@ -739,7 +746,8 @@ def _backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
     # gradient is computed into a tile-aligned array and sliced.
     out_shape = ((padded, chunks * per_chunk * config.block_v) if config.interpret
                  else logits.shape)
-    operands = [logits] + ([_mask_bytes(keep_mask)] if masked else []) + [target, vectors]
+    operands = ([logits] + ([_mask_bytes(keep_mask, in_place=not config.interpret)] if masked
+                           else []) + [target, vectors])
     kernel = plgpu.kernel(
         functools.partial(_backward_kernel, num_vocab=num_vocab, inv_tau=inv_tau,
                           entropy=entropy, masked=masked, config=config, itemsize=itemsize,

@@ -269,7 +269,7 @@ def test_implementation_names():
     (implementations.MOSAIC_MIN_VOCAB, 2, None, (9, 0), True, "pallas_mosaic"),
     (implementations.MOSAIC_MIN_VOCAB - 16, 2, None, (9, 0), True, "pallas_triton"),
     (18992, 2, None, (9, 0), True, "pallas_triton"),  # V_loc of TP = 8: Triton measured faster
-    (151936, 2, np.bool_, (9, 0), True, "pallas_triton"),  # bool: a conversion pass
+    (151936, 2, np.bool_, (9, 0), True, "pallas_triton"),  # bool: a conversion pass (test_mask_view)
     (151936, 2, None, (8, 0), True, "pallas_triton"),  # Ampere: no Mosaic GPU
     (151936, 2, None, None, True, "pallas_triton"),  # no GPU found
     (151936, 2, None, (9, 0), False, "pallas_triton"),  # a JAX without the pieces

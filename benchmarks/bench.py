@@ -102,6 +102,9 @@ def build_parser():
     add("--mosaic-config", default="",
         help="MosaicConfig fields for jaxops-pallas_mosaic, e.g. block_v=256,num_stages=4,"
              "chunk_v=4096 (approx_math takes 0/1)")
+    add("--bool-mask-view", action="store_true",
+        help="hand bool masks to the Mosaic kernels in place (jaxops._mask_view.ENABLED; "
+             "then jaxops-pallas sends bool masks to Mosaic too)")
     add("--bridge-kwargs", default="",
         help="extra keyword arguments for bridge.logprob_entropy, e.g. "
              "check_targets=False,implementation=pallas (default: none, as callers)")
@@ -165,6 +168,9 @@ def main(argv=None):
     args.mosaic_config = (harness.mosaic_config(args.mosaic_config)
                           if args.mosaic_config.strip(" ,") else None)
     args.bridge_kwargs = harness.parse_kwargs(args.bridge_kwargs)
+    if args.bool_mask_view:  # before any kernel is traced
+        from jaxops import _mask_view
+        _mask_view.ENABLED = True
     cases = build_cases(mode, filters)
 
     gpu_name = (torch.cuda.get_device_name(0) if args.on_gpu

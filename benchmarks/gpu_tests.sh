@@ -3,7 +3,8 @@
 # (the device machine's limit per command). Measured on the H200 (session 14), per file:
 #     bash benchmarks/gpu_tests.sh a   # bridge with Megatron 150 s, batch invariance 245 s,
 #                                      # large sizes 15 s, fused head's bridge 15 s
-#     bash benchmarks/gpu_tests.sh b   # Mosaic kernels 400 s, Triton/XLA 20 s, sharding 35 s
+#     bash benchmarks/gpu_tests.sh b   # Mosaic kernels 400 s, Triton/XLA 20 s, sharding 35 s,
+#                                      # bool masks in place (not timed yet)
 #     bash benchmarks/gpu_tests.sh c   # the bridge's direct route ~370 s (incl. 4 batch-
 #                                      # invariance tests at T = 8192, ~60 s each), and the
 #                                      # PPO example (50 steps against float64 and Megatron)
@@ -57,6 +58,7 @@ case "${1:-}" in
         run 450 tests/test_mosaic.py -m gpu
         run 50 tests/test_logprob_entropy.py -m gpu
         run 60 tests/test_sharding_gpu.py
+        run 90 tests/test_mask_view.py -m gpu  # not yet run on a GPU (session 21)
         ;;
     c)
         run 420 tests/test_bridge_direct.py

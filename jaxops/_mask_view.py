@@ -38,7 +38,18 @@ _bytes_view_p.def_abstract_eval(lambda mask: mask.update(dtype=jnp.dtype(jnp.uin
                                                          weak_type=False))
 _bytes_view_p.def_impl(lambda mask: mask.astype(jnp.uint8))
 mlir.register_lowering(_bytes_view_p, lambda ctx, mask: [mask])
-batching.defvectorized(_bytes_view_p)
+
+
+def _batch(args, dims):
+    # The batch axis moves to the front on the bool side: a kernel's batching rule that
+    # moved it on the view would be a transpose of the view, which fails to lower.
+    (mask,), (dim,) = args, dims
+    if dim is None:
+        return _bytes_view_p.bind(mask), None
+    return _bytes_view_p.bind(jnp.moveaxis(mask, dim, 0)), 0
+
+
+batching.primitive_batchers[_bytes_view_p] = _batch
 
 
 def bytes_view(keep_mask):

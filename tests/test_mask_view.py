@@ -80,7 +80,7 @@ def _lowered(fn, *args) -> str:
     return jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-def _check_mask_operands(text: str, shape: tuple[int, int], in_place: bool):
+def _check_mask_operands(text: str, shape: tuple[int, ...], in_place: bool):
     """Each kernel's mask operand: the bool array itself (in place) or a uint8 one."""
     mask_bool, mask_bytes = "x".join(map(str, shape)) + "xi1", "x".join(map(str, shape)) + "xui8"
     for types in _kernel_operand_types(text):
@@ -139,6 +139,20 @@ def test_in_place_under_shard_map(monkeypatch):
     text = _lowered(sharded, S((num_tokens, num_vocab), BF16), S((num_tokens,), jnp.int32),
                     S((num_tokens, num_vocab), jnp.bool_))
     _check_mask_operands(text, (num_tokens, num_vocab), in_place=True)
+
+
+def test_in_place_under_vmap(monkeypatch):
+    """vmap with the batch on a non-leading axis: the view's batching rule moves the axis
+    on the bool side, so the kernel's batching rule has nothing to move on the view
+    (which would be a transpose of it: a program that fails to lower)."""
+    monkeypatch.setattr(_mask_view, "ENABLED", True)
+    batch, num_tokens, num_vocab = 2, 64, 18992
+    stats = jax.vmap(lambda x, t, m: pallas_mosaic.forward_stats(
+        x, t, m, inv_tau=1.0, with_entropy=True).max_logit, in_axes=1)
+    text = _lowered(stats, S((num_tokens, batch, num_vocab), BF16),
+                    S((num_tokens, batch), jnp.int32),
+                    S((num_tokens, batch, num_vocab), jnp.bool_))
+    _check_mask_operands(text, (batch, num_tokens, num_vocab), in_place=True)
 
 
 @pytest.mark.parametrize("enabled, want", [(False, "pallas_triton"), (True, "pallas_mosaic")])

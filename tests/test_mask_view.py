@@ -102,6 +102,28 @@ def test_statistics_kernels_take_the_bool_mask(monkeypatch, in_place, dtype):
                                   BackwardCoefs(row, row, row, row)), mask.shape, in_place)
 
 
+@pytest.mark.parametrize("in_place", [False, True], ids=["converted", "in_place"])
+def test_gradient_takes_the_saved_bool_mask(monkeypatch, in_place):
+    """Through the statistics' custom VJP (`stats.local_stats`, as the public op runs the
+    kernels): the bool mask saved for the backward reaches the backward kernel as it
+    came. (The public op itself runs the interpreter off-GPU: see the GPU test below.)"""
+    from jaxops import stats
+    from jaxops.pallas_config import MosaicConfig
+
+    monkeypatch.setattr(_mask_view, "ENABLED", in_place)
+    num_tokens, num_vocab = 512, 151936
+
+    def loss(x, t, m):
+        out = stats.local_stats(x, t, m, 1 / 0.7, True, True, "pallas_mosaic",
+                                MosaicConfig())
+        return (out.sum_exp_shifted / out.sum_exp + out.masked_sum_exp).sum()
+
+    text = _lowered(jax.grad(loss), S((num_tokens, num_vocab), BF16),
+                    S((num_tokens,), jnp.int32), S((num_tokens, num_vocab), jnp.bool_))
+    assert len(_kernel_operand_types(text)) == 2  # forward, backward
+    _check_mask_operands(text, (num_tokens, num_vocab), in_place)
+
+
 def test_fused_head_kernels_take_the_bool_mask(monkeypatch):
     """The fused head's statistics (in row groups at T = 8192: each group's rows of the
     bool mask go in place) and its backward kernel on one chunk."""

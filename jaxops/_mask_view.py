@@ -29,7 +29,7 @@ from jax.interpreters import batching, mlir
 # Whether the Mosaic kernels take bool masks through `bytes_view` (`pallas_mosaic.
 # _mask_bytes`) and "pallas" routes bool masks to them (`implementations.
 # pallas_backend`). Off until it has run on a GPU: CPU tests lower it for CUDA
-# (tests/test_mosaic.py), but XLA's GPU compiler has not seen it nor a GPU run it.
+# (tests/test_mask_view.py), but XLA's GPU compiler has not seen it nor a GPU run it.
 ENABLED = False
 
 _bytes_view_p = Primitive("mask_bytes_view")

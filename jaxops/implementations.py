@@ -105,9 +105,10 @@ def pallas_backend(num_vocab: int, itemsize: int, mask_dtype, capability,
     MOSAIC_MIN_VOCAB, the mask, if any, in bytes (uint8/int8; bool too where
     `_mask_view.ENABLED`), and T < 8 or a multiple of 8. Otherwise a bool mask costs the
     Mosaic kernels an XLA pass over it (`pallas_mosaic._mask_bytes`; on the H200 a bf16
-    masked forward 2.6x slower), which the Triton kernels do not pay. Other T move untiled tiles (`mosaic_rows_tile`):
-    on the H200 at V = 151,936 with entropy, bf16 T = 8191 took 3.00 ms forward+backward
-    against 1.86 ms at T = 8192 (Triton: 2.00 ms), fp32 3.81 ms (Triton 3.78 ms)."""
+    masked forward 2.6x slower), which the Triton kernels do not pay. Other T move
+    untiled tiles (`mosaic_rows_tile`): on the H200 at V = 151,936 with entropy, bf16
+    T = 8191 took 3.00 ms forward+backward against 1.86 ms at T = 8192 (Triton:
+    2.00 ms), fp32 3.81 ms (Triton 3.78 ms)."""
     import numpy as np
 
     if capability is None or tuple(capability) < (9, 0) or not mosaic_usable:

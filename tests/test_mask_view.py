@@ -12,12 +12,15 @@ bitwise what it returns given the same mask as uint8 (same kernel, same bytes).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxops import _mask_view, implementations
 from jaxops.contract import BackwardCoefs
@@ -122,6 +125,34 @@ def test_gradient_takes_the_saved_bool_mask(monkeypatch, in_place):
                     S((num_tokens,), jnp.int32), S((num_tokens, num_vocab), jnp.bool_))
     assert len(_kernel_operand_types(text)) == 2  # forward, backward
     _check_mask_operands(text, (num_tokens, num_vocab), in_place)
+
+
+@contextlib.contextmanager
+def _view_enabled():
+    saved, _mask_view.ENABLED = _mask_view.ENABLED, True
+    try:
+        yield
+    finally:
+        _mask_view.ENABLED = saved
+
+
+@settings(max_examples=10, deadline=None)
+@given(num_tokens=st.integers(1, 20000), vocab_units=st.integers(1, 12000),
+       dtype=st.sampled_from([F32, BF16]), with_entropy=st.booleans())
+def test_in_place_at_random_shapes(num_tokens, vocab_units, dtype, with_entropy):
+    """Any T and any V_loc the masked kernels take (multiples of 16): both kernels read
+    the bool operand itself, whether their tiles move tiled or untiled."""
+    num_vocab = 16 * vocab_units
+    logits, mask = S((num_tokens, num_vocab), dtype), S((num_tokens, num_vocab), jnp.bool_)
+    targets, row = S((num_tokens,), jnp.int32), S((num_tokens,), F32)
+    fwd = functools.partial(pallas_mosaic.forward_stats, inv_tau=1 / 0.7,
+                            with_entropy=with_entropy)
+    bwd = functools.partial(pallas_mosaic.backward_logits, inv_tau=1 / 0.7)
+    coefs = BackwardCoefs(row, row if with_entropy else None, row, row)
+    with _view_enabled():
+        _check_mask_operands(_lowered(fwd, logits, targets, mask), mask.shape, True)
+        _check_mask_operands(_lowered(bwd, logits, targets, mask, row, row, coefs),
+                             mask.shape, True)
 
 
 def test_fused_head_kernels_take_the_bool_mask(monkeypatch):

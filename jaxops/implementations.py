@@ -21,7 +21,6 @@ import functools
 import importlib
 from types import ModuleType
 
-from jaxops import _mask_view
 from jaxops.pallas_config import MosaicConfig, PallasConfig, mosaic_rows_tile, mosaic_supported
 
 IMPLEMENTATIONS = ("pallas", "pallas_triton", "pallas_mosaic", "xla", "reference")
@@ -110,6 +109,8 @@ def pallas_backend(num_vocab: int, itemsize: int, mask_dtype, capability,
     T = 8191 took 3.00 ms forward+backward against 1.86 ms at T = 8192 (Triton:
     2.00 ms), fp32 3.81 ms (Triton 3.78 ms)."""
     import numpy as np
+
+    from jaxops import _mask_view  # here: `import jaxops` stays without jax.extend
 
     if capability is None or tuple(capability) < (9, 0) or not mosaic_usable:
         return "pallas_triton"

@@ -30,6 +30,8 @@ from jax.interpreters import batching, mlir
 # _mask_bytes`) and "pallas" routes bool masks to them (`implementations.
 # pallas_backend`). Off until it has run on a GPU: CPU tests lower it for CUDA
 # (tests/test_mask_view.py), but XLA's GPU compiler has not seen it nor a GPU run it.
+# Read when a kernel call is traced: set it before a jitted function's first call (jit
+# keeps the trace it made).
 ENABLED = False
 
 _bytes_view_p = Primitive("mask_bytes_view")

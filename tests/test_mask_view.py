@@ -174,6 +174,33 @@ def test_fused_head_kernels_take_the_bool_mask(monkeypatch):
     _check_mask_operands(text, (4096, 4096), in_place=True)
 
 
+@pytest.mark.parametrize("fused_forward, fused_backward", [(False, False), (False, True),
+                                                           (True, False), (True, True)])
+def test_fused_head_op_takes_the_bool_mask(monkeypatch, fused_forward, fused_backward):
+    """The fused head's statistics and their VJP as the op runs them: the vocabulary's
+    chunks in a scan (each chunk's slice of the mask goes in place into the statistics
+    or the fused backward kernel) or the fused forward on the whole mask."""
+    from jaxops import linear
+    from jaxops.pallas_config import MosaicConfig
+
+    monkeypatch.setattr(_mask_view, "ENABLED", True)
+    num_tokens, hidden_size, num_vocab, chunk = 1024, 512, 32768, 4096
+
+    def loss(h, w, t, m):
+        out = linear._linear_local_stats(h, w, t, m, 1 / 0.7, True, True, "pallas_mosaic",
+                                         MosaicConfig(), chunk, fused_forward,
+                                         fused_backward)
+        return (out.sum_exp_shifted / out.sum_exp + out.masked_sum_exp).sum()
+
+    text = _lowered(jax.grad(loss, argnums=(0, 1)), S((num_tokens, hidden_size), BF16),
+                    S((num_vocab, hidden_size), BF16), S((num_tokens,), jnp.int32),
+                    S((num_tokens, num_vocab), jnp.bool_))
+    forward, backward = _kernel_operand_types(text)
+    whole = f"{num_tokens}x{num_vocab if fused_forward else chunk}xi1"
+    assert whole in forward and "xui8" not in forward, forward
+    assert f"{num_tokens}x{chunk}xi1" in backward and "xui8" not in backward, backward
+
+
 def test_in_place_under_shard_map(monkeypatch):
     """Vocab-parallel (`shard_map`, vma checked): the view keeps the mask's varying axes."""
     from jax.sharding import PartitionSpec as P

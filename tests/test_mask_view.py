@@ -85,7 +85,8 @@ def _lowered(fn, *args) -> str:
 
 def _check_mask_operands(text: str, shape: tuple[int, ...], in_place: bool):
     """Each kernel's mask operand: the bool array itself (in place) or a uint8 one."""
-    mask_bool, mask_bytes = "x".join(map(str, shape)) + "xi1", "x".join(map(str, shape)) + "xui8"
+    dims = "x".join(map(str, shape))
+    mask_bool, mask_bytes = f"{dims}xi1", f"{dims}xui8"
     for types in _kernel_operand_types(text):
         assert (mask_bool in types) == in_place, types
         assert (mask_bytes in types) == (not in_place), types

@@ -51,7 +51,7 @@ def describe(args, mode, filters, torch, jax, gpu_name, device_name, jax_mem_key
             "logits": f"N(0, {LOGIT_SCALE}^2) in the logits' dtype",
             "pallas_config": str(args.pallas_config),
             "mosaic_config": str(args.mosaic_config),
-            "bool_mask_view": bool(getattr(args, "bool_mask_view", False)),
+            "bool_mask_view": args.bool_mask_view,
             "bridge_kwargs": args.bridge_kwargs,
             "megatron_jit_fuser": ("torch.compile (Megatron's default)" if args.on_gpu
                                    else "disabled (CPU smoke run)"),

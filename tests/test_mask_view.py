@@ -12,7 +12,6 @@ bitwise what it returns given the same mask as uint8 (same kernel, same bytes).
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import jax
@@ -24,6 +23,8 @@ from hypothesis import strategies as st
 
 from jaxops import _mask_view, implementations
 from jaxops.contract import BackwardCoefs
+
+from test_mosaic import _inputs as mosaic_inputs  # logits, targets, a "mixed" keep mask
 
 pallas_mosaic = pytest.importorskip("jaxops.pallas_mosaic")
 
@@ -128,15 +129,6 @@ def test_gradient_takes_the_saved_bool_mask(monkeypatch, in_place):
     _check_mask_operands(text, (num_tokens, num_vocab), in_place)
 
 
-@contextlib.contextmanager
-def _view_enabled():
-    saved, _mask_view.ENABLED = _mask_view.ENABLED, True
-    try:
-        yield
-    finally:
-        _mask_view.ENABLED = saved
-
-
 @settings(max_examples=10, deadline=None)
 @given(num_tokens=st.integers(1, 20000), vocab_units=st.integers(1, 12000),
        dtype=st.sampled_from([F32, BF16]), with_entropy=st.booleans())
@@ -150,7 +142,8 @@ def test_in_place_at_random_shapes(num_tokens, vocab_units, dtype, with_entropy)
                             with_entropy=with_entropy)
     bwd = functools.partial(pallas_mosaic.backward_logits, inv_tau=1 / 0.7)
     coefs = BackwardCoefs(row, row if with_entropy else None, row, row)
-    with _view_enabled():
+    with pytest.MonkeyPatch.context() as patch:  # not the fixture: hypothesis reruns the body
+        patch.setattr(_mask_view, "ENABLED", True)
         _check_mask_operands(_lowered(fwd, logits, targets, mask), mask.shape, True)
         _check_mask_operands(_lowered(bwd, logits, targets, mask, row, row, coefs),
                              mask.shape, True)
@@ -245,21 +238,13 @@ def test_pallas_routes_bool_masks_by_the_switch(monkeypatch, enabled, want):
 
 # --- on the GPU ---------------------------------------------------------------------------
 
-def _gpu_inputs(num_tokens, num_vocab, dtype, seed=0):
-    k = jax.random.split(jax.random.key(seed), 4)
-    logits = (4 * jax.random.normal(k[0], (num_tokens, num_vocab), F32)).astype(dtype)
-    targets = jax.random.randint(k[1], (num_tokens,), -2, num_vocab + 2)
-    mask = jax.random.bernoulli(k[2], 0.15, (num_tokens, num_vocab))
-    rows = jnp.arange(num_tokens)[:, None]
-    mask = jnp.where(rows % 5 == 1, False, jnp.where(rows % 5 == 2, True, mask))
-    coefs = BackwardCoefs(*[jax.random.normal(kk, (num_tokens,), F32)
-                            for kk in jax.random.split(k[3], 4)])
-    return logits, targets.astype(jnp.int32), mask, coefs
+def _coefs(num_tokens, seed):
+    keys = jax.random.split(jax.random.key(seed), 4)
+    return BackwardCoefs(*[jax.random.normal(k, (num_tokens,), F32) for k in keys])
 
 
 def _assert_trees_equal(got, want):
-    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    jax.tree.map(np.testing.assert_array_equal, got, want)
 
 
 @pytest.mark.gpu
@@ -268,7 +253,9 @@ def _assert_trees_equal(got, want):
                                                    (8192, 151936)])
 def test_gpu_bool_in_place_is_bitwise_uint8(monkeypatch, num_tokens, num_vocab, dtype):
     monkeypatch.setattr(_mask_view, "ENABLED", True)
-    logits, targets, mask, coefs = _gpu_inputs(num_tokens, num_vocab, dtype)
+    logits, targets, mask = mosaic_inputs(0, num_tokens, num_vocab, dtype, "mixed")
+    targets = targets.at[0].set(num_vocab + 5).astype(jnp.int32)  # row 0: target elsewhere
+    coefs = _coefs(num_tokens, 1)
 
     @jax.jit
     def run(x, t, m, c):
@@ -290,8 +277,7 @@ def test_gpu_public_op_bool_in_place_is_bitwise_uint8(monkeypatch):
     import jaxops
 
     monkeypatch.setattr(_mask_view, "ENABLED", True)
-    logits, targets, mask, _ = _gpu_inputs(4096, 151936, BF16, seed=1)
-    targets = jnp.clip(targets, 0, 151935)  # global ids: in the vocabulary
+    logits, targets, mask = mosaic_inputs(1, 4096, 151936, BF16, "mixed")
 
     @jax.jit
     def run(x, t, m):
@@ -315,7 +301,9 @@ def test_gpu_fused_head_bool_in_place_is_bitwise_uint8(monkeypatch, num_tokens):
     k = jax.random.split(jax.random.key(2), 3)
     hidden = jax.random.normal(k[0], (num_tokens, 512), F32).astype(BF16)
     weight = (jax.random.normal(k[1], (32768, 512), F32) / 16).astype(BF16)
-    _, targets, mask, coefs = _gpu_inputs(num_tokens, 32768, BF16, seed=3)
+    _, targets, mask = mosaic_inputs(3, num_tokens, 32768, BF16, "mixed")
+    targets = targets.at[0].set(32768 + 5).astype(jnp.int32)  # row 0: target elsewhere
+    coefs = _coefs(num_tokens, 4)
 
     @jax.jit
     def run(h, w, t, m, c):

@@ -8,12 +8,12 @@ Run the scripts from the repository root as modules, or by path (the same):
 
 Modules: harness (roofline bytes, the timing loop, CLI and result-writing helpers),
 cases (what bench measures), impls (the implementations), runner (one case: inputs,
-timing, memory), bench (the CLI), report and plot (tables and the plot from the JSON),
-tune, profile_kernels, gpu_smoke, bridge_overhead (kernel tuning and device checks);
-host_direct, host_interleaved (the bridge's direct route: host cost); kernel_asm (the
-Mosaic kernels as text, to check that a refactor changes none); mosaic_tune (the Mosaic
-kernels alone over configs, or the API with uint8 / bool masks). NOTES.md is the lab
-notebook.
+timing, memory), results_json (the results file's metadata, --append), bench (the CLI),
+report and plot (tables and the plot from the JSON), linear_head and plot_linear_head (the
+fused output layer), bridge_overhead (the bridge's host cost), gpu_tests.sh (every GPU
+test file). Developer tools are in benchmarks/tools/ (kernel tuning and profiling, the
+backend-choice measurements, kernel_asm); results per benchmark and device in results/;
+what the numbers mean and which defaults they set: docs/performance.md.
 
 Entry scripts run by path (`python benchmarks/bench.py`) start with the same guarded
 bootstrap, the only sys.path edit here: when run that way (not with -m, not imported)

@@ -24,8 +24,8 @@ and a breakdown of the per-call costs (imports, exports, stream sync, dispatch) 
 explains the difference. Overhead = bridge - jax at small shapes, where the device is idle
 and the wall time is the host's dispatch time; at large shapes the host runs ahead and
 the bridge's overhead hides behind the kernels. On CUDA every column uses "pallas_triton",
-the JAX route (the default "pallas" takes the direct route on Hopper, which
-`benchmarks/host_direct.py` and `host_interleaved.py` time).
+the JAX route (the default "pallas" takes the direct route on Hopper: docs/performance.md,
+"The bridge: host cost and the direct route").
 """
 
 from __future__ import annotations
@@ -353,7 +353,7 @@ def main():
         torch.cuda.set_device(device)
     # The JAX route's pieces, all of them: "pallas" would take the direct route on Hopper
     # in the eager columns while the ladder's steps time the JAX route (the direct
-    # route's own costs: benchmarks/host_direct.py and host_interleaved.py).
+    # route's own costs: docs/performance.md, "The bridge: host cost and the direct route").
     impl = "pallas_triton" if device.type == "cuda" else "xla"
     calls = 20 if args.quick else 200
     info = {"python": platform.python_version(), "torch": torch.__version__,

@@ -134,7 +134,7 @@ def build_cases(mode, filters):
     """Cases in run order: size groups by priority, except that the cases of the big sizes
     that allocate from torch's pool (TORCH_POOL_IMPLS) come first of all, while JAX's memory
     pool is still small (runner.py's doc): they need tens of GB, and JAX's pool never
-    shrinks (session 12's run put the bridge after the JAX rows at T = 32768: JAX held
+    shrinks (a run that put the bridge after the JAX rows at T = 32768: JAX held
     135 GB, 13.6 GB were free, the bridge's gradient did not fit). Their torch.compile
     graphs (T dynamic) are the ones the later sizes reuse, so this costs no extra compiles."""
     cases = []

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU test of the project on one GPU, in three device calls of under 10 minutes each
-# (the device machine's limit per command). Measured on the H200 (session 14), per file:
+# (the device machine's limit per command). Measured on the H200, per file:
 #     bash benchmarks/gpu_tests.sh a   # bridge with Megatron 150 s, batch invariance 245 s,
 #                                      # large sizes 15 s, fused head's bridge 15 s
 #     bash benchmarks/gpu_tests.sh b   # Mosaic kernels 400 s, Triton/XLA 20 s, sharding 35 s,
@@ -11,8 +11,8 @@
 # JOBS=N (optional; needs pytest-xdist, which the device image has): N test processes share
 # the one GPU, with XLA_PYTHON_CLIENT_ALLOCATOR=platform so that each test's memory goes back
 # (with XLA's caching allocator, 8 processes ran test_mosaic.py's T = 8192 tests out of
-# memory on the H200). Session 20 (H100): test_batch_invariance.py -m gpu with 6 processes
-# 68 s (245 s in one, session 14), test_logprob_entropy.py with 8 54 s, test_sharding_gpu.py
+# memory on the H200). On an H100: test_batch_invariance.py -m gpu with 6 processes
+# 68 s (245 s in one on the H200), test_logprob_entropy.py with 8 54 s, test_sharding_gpu.py
 # with 4 22 s; the linear files with 6 had one failure that the cut log did not name, so
 # run those alone when a failure must be told apart from the sharing.
 # carry: .whl (a megatron-core wheel for the device's Python). Each file runs under its own
@@ -58,7 +58,7 @@ case "${1:-}" in
         run 450 tests/test_mosaic.py -m gpu
         run 50 tests/test_logprob_entropy.py -m gpu
         run 60 tests/test_sharding_gpu.py
-        run 90 tests/test_mask_view.py -m gpu  # not yet run on a GPU (session 21)
+        run 90 tests/test_mask_view.py -m gpu  # not yet run on a GPU
         ;;
     c)
         run 420 tests/test_bridge_direct.py

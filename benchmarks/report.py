@@ -1,11 +1,15 @@
 #!/usr/bin/env python3
-"""Tables from a benchmark results JSON (written by bench.py): text, and the README's markdown.
+"""Tables from a benchmark results JSON (written by bench.py): text, and the docs' markdown.
 
     python -m benchmarks.report benchmarks/results/h200.json                   # print markdown
-    python -m benchmarks.report benchmarks/results/h200.json --update-readme   # write README.md
+    python -m benchmarks.report benchmarks/results/h200.json --update-readme   # write the docs
 
-`--update-readme` replaces what lies between `<!-- perf-table:start -->` and
-`<!-- perf-table:end -->` in README.md; every number there comes from the JSON.
+`--update-readme` replaces, in each of README.md and docs/performance.md (`--readme`,
+`--performance`), what lies between `<!-- perf-summary:start -->` and
+`<!-- perf-summary:end -->` with the short table (`summary_md`) and what lies between
+`<!-- perf-table:start -->` and `<!-- perf-table:end -->` with the full tables
+(`markdown`), where a file has those markers; every number there comes from the JSON.
+Links are relative to the file's folder.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ import sys
 from benchmarks.harness import REPO
 
 START, END = "<!-- perf-table:start -->", "<!-- perf-table:end -->"
+SUMMARY_START, SUMMARY_END = "<!-- perf-summary:start -->", "<!-- perf-summary:end -->"
+# The anchors of the short table (summary_md), where measured.
+SUMMARY_ANCHORS = ("jax-jit", "torch-compile", "megatron")
 # The op's Pallas kernels, in the order that picks the headline ("ours": speed-ups are
 # anchor time / its time): "pallas" where measured (what callers get), else the
 # Triton backend, else Mosaic. The other backends present get their own time and
@@ -361,7 +368,44 @@ def rows_run(results):
     return row_runs, results
 
 
-def markdown(results, json_path=None, png_path=None):
+def _rel(path, base):
+    return os.path.relpath(path, base).replace(os.sep, "/")
+
+
+def summary_md(results, json_path=None, base=REPO):
+    """The short table: per case at the headline size, the roofline, the default Pallas
+    implementation's time and x roofline, and its speed-up over a few anchors."""
+    T, V = main_size(results)
+    index = rows_by_key(results)
+    primary = ours(results)
+    present = [a for a in SUMMARY_ANCHORS if any(k[0] == a and k[2] == T and k[3] == V
+                                                 for k in index)]
+    header = ["dtype", "entropy", "mask", "roofline ms", f"{LABEL[primary]} ms", "× roofline"]
+    header += [f"vs {LABEL[a]}" for a in present]
+    rows = []
+    for dtype, entropy, mask in combos(results, T, V):
+        row = index.get((primary, dtype, T, V, entropy, mask))
+        if row is None:
+            continue
+        cells = [DT.get(dtype, dtype), yn(entropy), yn(mask),
+                 _pair(ms(row.get("fb_roof_ms")), ms(row.get("fwd_roof_ms"))),
+                 _pair(phase_cell(row, "fb"), phase_cell(row, "fwd")),
+                 _pair(x_roof(row, "fb"), x_roof(row, "fwd"))]
+        for anchor in present:
+            other = index.get((anchor, dtype, T, V, entropy, mask))
+            vals = [ratio(other[f"{p}_ms"] / row[f"{p}_ms"]) if other is not None
+                    and ok(other, p) and ok(row, p) else phase_cell(other, p)
+                    for p in ("fb", "fwd")]
+            cells.append("n/a" if vals == ["n/a", "n/a"] or other is None else _pair(*vals))
+        rows.append(cells)
+    _, meta = rows_run(results)
+    src = f" ([`{_rel(json_path, base)}`]({_rel(json_path, base)}))" if json_path else ""
+    return (f"**{(results.get('device') or {}).get('name')}**, T = {T:,}, V = {V:,}, "
+            f"{meta.get('date')}{src}; cells are forward+backward (forward):\n\n"
+            + _md_table(header, rows) + "\n")
+
+
+def markdown(results, json_path=None, png_path=None, base=REPO):
     T, V = main_size(results)
     runs = results.get("runs") or []
     row_runs, meta = rows_run(results)
@@ -371,7 +415,7 @@ def markdown(results, json_path=None, png_path=None):
     git = meta.get("git") or {}
     commit = (git.get("commit") or "unknown")[:10] + (" (dirty)" if git.get("dirty") else "")
     versions = meta.get("versions") or {}
-    rel = (lambda p: os.path.relpath(p, REPO).replace(os.sep, "/")) if json_path else None
+    rel = (lambda p: _rel(p, base)) if json_path else None
     src = f"[`{rel(json_path)}`]({rel(json_path)})" if json_path else "the results JSON"
     plot = f" Plot: [`{rel(png_path)}`]({rel(png_path)})." if png_path else ""
     runs_note = ""
@@ -432,15 +476,27 @@ def markdown(results, json_path=None, png_path=None):
     return "\n".join(lines).rstrip() + "\n"
 
 
-def update_readme(readme_path, md):
+def _replace(text, start, end, md):
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    return head + start + "\n" + md + end + tail
+
+
+def update_readme(readme_path, md, summary=None):
+    """Writes `md` between the perf-table markers and `summary` between the perf-summary
+    markers of the file, where it has them (at least one pair)."""
     with open(readme_path) as f:
         text = f.read()
-    if START not in text or END not in text:
-        raise SystemExit(f"{readme_path}: markers {START} / {END} not found")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
+    found = False
+    if START in text and END in text:
+        text, found = _replace(text, START, END, md), True
+    if summary is not None and SUMMARY_START in text and SUMMARY_END in text:
+        text, found = _replace(text, SUMMARY_START, SUMMARY_END, summary), True
+    if not found:
+        raise SystemExit(f"{readme_path}: markers {START} / {END} or {SUMMARY_START} / "
+                         f"{SUMMARY_END} not found")
     with open(readme_path, "w") as f:
-        f.write(head + START + "\n" + md + END + tail)
+        f.write(text)
 
 
 def main(argv=None):
@@ -449,6 +505,7 @@ def main(argv=None):
     parser.add_argument("--update-readme", action="store_true",
                         help="write the markdown between the perf-table markers of --readme")
     parser.add_argument("--readme", default=os.path.join(REPO, "README.md"))
+    parser.add_argument("--performance", default=os.path.join(REPO, "docs", "performance.md"))
     parser.add_argument("--png", default=None,
                         help="plot to link (default: the JSON's path with .png, if it exists)")
     parser.add_argument("--text", action="store_true", help="print the plain-text tables")
@@ -461,12 +518,17 @@ def main(argv=None):
         print()
         print(text_speedups(results))
         return 0
-    md = markdown(results, os.path.abspath(args.results), png and os.path.abspath(png))
+    json_path, png = os.path.abspath(args.results), png and os.path.abspath(png)
     if args.update_readme:
-        update_readme(args.readme, md)
-        print(f"updated {args.readme}")
+        for path in (args.readme, args.performance):
+            if not os.path.exists(path):
+                continue
+            base = os.path.dirname(os.path.abspath(path))
+            update_readme(path, markdown(results, json_path, png, base),
+                          summary_md(results, json_path, base))
+            print(f"updated {path}")
     else:
-        print(md)
+        print(markdown(results, json_path, png))
     return 0
 
 

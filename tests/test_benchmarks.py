@@ -1,9 +1,10 @@
 """The benchmark harness cannot rot: `benchmarks/bench.py --tiny` runs end to end on CPU,
-and `plot.py` / `report.py` turn its JSON into a PNG and the README table.
+and `plot.py` / `report.py` turn its JSON into a PNG and the docs' tables.
 
 No timing is asserted (CPU numbers mean nothing); the checks are that every expected row is
 there, that measured numbers are positive and finite, that statuses are the documented ones,
-and that the generated markdown lands between the README markers.
+and that the generated markdown lands between the markers of README.md and
+docs/performance.md.
 """
 
 from __future__ import annotations
@@ -22,10 +23,10 @@ from benchmarks import bench, cases, harness, report  # stdlib-only at import ti
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(REPO, "benchmarks")
-ENTRY_SCRIPTS = ("bench", "report", "plot", "tune", "profile_kernels", "gpu_smoke",
-                 "bridge_overhead", "kernel_asm", "mosaic_tune", "backend_choice",
-                 "bridge_backend_choice", "plot_linear_head", "linear_chunks",
-                 "fused_head_probe")
+ENTRY_SCRIPTS = ("bench", "report", "plot", "bridge_overhead", "linear_head",
+                 "plot_linear_head", "tools/tune", "tools/profile_kernels", "tools/gpu_smoke",
+                 "tools/kernel_asm", "tools/mosaic_tune", "tools/backend_choice",
+                 "tools/bridge_backend_choice")
 
 
 def _run(*args, timeout=900, cwd=REPO, pythonpath=True):
@@ -66,7 +67,7 @@ def test_roofline_bytes():
     assert harness.roofline_bytes("float32", 8192, 151_936, False) == (4 * n, 12 * n)
     assert harness.roofline_bytes("bfloat16", 8192, 151_936, True) == (2 * n + n, 6 * n + 2 * n)
     assert harness.roofline_bytes("float16", 8, 10, False) == (160, 480)
-    # NOTES.md's table (T = 8192, V = 151,936): bf16 with a dense bool mask
+    # docs/performance.md's roofline (T = 8192, V = 151,936): bf16 with a dense bool mask
     fwd, fb = harness.roofline_bytes("bfloat16", 8192, 151_936, True)
     assert (round(fwd / 1e9, 3), round(fb / 1e9, 3)) == (3.734, 9.957)
 
@@ -150,14 +151,24 @@ def test_entry_scripts_run_by_path_and_as_modules(tmp_path):
                 pythonpath=False).endswith("33 cases (tiny)\n")  # 33: one uint8-mask Mosaic case
 
 
-def test_readme_table_is_the_committed_json():
-    """report.py renders the committed H200 JSON to exactly the README's table."""
+def test_docs_tables_are_the_committed_json():
+    """report.py renders the committed H200 JSON to exactly docs/performance.md's tables
+    and the README's short table (links relative to each file's folder)."""
     json_path = os.path.join(BENCH_DIR, "results", "h200.json")
-    md = report.markdown(report.load(json_path), json_path,
-                         os.path.join(BENCH_DIR, "results", "h200.png"))
+    png_path = os.path.join(BENCH_DIR, "results", "h200.png")
+    results = report.load(json_path)
+    docs = os.path.join(REPO, "docs")
+    with open(os.path.join(docs, "performance.md")) as f:
+        performance = f.read()
+    md = report.markdown(results, json_path, png_path, base=docs)
+    assert report.START + "\n" + md + report.END in performance
+    assert "](../benchmarks/results/h200.json)" in md
     with open(os.path.join(REPO, "README.md")) as f:
         readme = f.read()
-    assert report.START + "\n" + md + report.END in readme
+    summary = report.summary_md(results, json_path)
+    assert report.SUMMARY_START + "\n" + summary + report.SUMMARY_END in readme
+    assert "](benchmarks/results/h200.json)" in summary and "H200" in summary
+    assert report.START not in readme  # the full tables live in docs/performance.md
 
 
 def test_each_backend_gets_its_own_config(monkeypatch):
@@ -267,12 +278,16 @@ def test_plot_and_report(tiny_results, tmp_path):
     text = _run("-m", "benchmarks.report", str(json_path), "--text")
     assert "jaxops-pallas_mosaic" in text and "speed-up" in text
 
-    readme = tmp_path / "README.md"
-    readme.write_text("# title\n\nbefore\n\n<!-- perf-table:start -->\nold table\n"
-                      "<!-- perf-table:end -->\n\nafter\n")
+    readme, performance = tmp_path / "README.md", tmp_path / "performance.md"
+    readme.write_text("# title\n\n<!-- perf-summary:start -->\nold summary\n"
+                      "<!-- perf-summary:end -->\n")
+    performance.write_text("# title\n\nbefore\n\n<!-- perf-table:start -->\nold table\n"
+                           "<!-- perf-table:end -->\n\nafter\n")
     _run("-m", "benchmarks.report", str(json_path), "--png", str(png),
-         "--update-readme", "--readme", str(readme))
-    updated = readme.read_text()
+         "--update-readme", "--readme", str(readme), "--performance", str(performance))
+    summary = readme.read_text()
+    assert "old summary" not in summary and "| dtype | entropy | mask | roofline ms |" in summary
+    updated = performance.read_text()
     assert "old table" not in updated
     assert updated.startswith("# title\n\nbefore\n\n<!-- perf-table:start -->\n")
     assert updated.endswith("<!-- perf-table:end -->\n\nafter\n")
@@ -374,12 +389,12 @@ def test_linear_head_cpu_quick_has_every_row(tmp_path):
 
 
 def test_kernel_asm_sees_a_kernel_change(monkeypatch):
-    """benchmarks/kernel_asm.py (the refactor check): the same kernel prints the same
+    """benchmarks/tools/kernel_asm.py (the refactor check): the same kernel prints the same
     text twice, without source locations, and a different kernel prints differently."""
     pytest.importorskip("jaxops.mosaic_direct")
     import jax.numpy as jnp
 
-    from benchmarks import kernel_asm
+    from benchmarks.tools import kernel_asm
 
     def partials_text(config, inv_tau=None):  # None: as kernel_asm builds it (1 / 0.7)
         (name, fn, structs), *_ = kernel_asm.kernels([config])
@@ -401,11 +416,11 @@ def test_kernel_asm_sees_a_kernel_change(monkeypatch):
 
 
 def test_mosaic_tune_measures_and_checks(monkeypatch):
-    """benchmarks/mosaic_tune.py on CPU (kernels interpreted, a small vocabulary): a
+    """benchmarks/tools/mosaic_tune.py on CPU (kernels interpreted, a small vocabulary): a
     kernel row carries its check against XLA, an API row its times."""
     import jax.numpy as jnp
 
-    from benchmarks import mosaic_tune
+    from benchmarks.tools import mosaic_tune
     from jaxops.pallas_config import MosaicConfig
 
     monkeypatch.setattr(mosaic_tune, "V", 1040)
@@ -417,11 +432,11 @@ def test_mosaic_tune_measures_and_checks(monkeypatch):
 
 
 def test_backend_choice_times_both_backends():
-    """benchmarks/backend_choice.py on CPU (both backends interpreted, tiny shapes): one
+    """benchmarks/tools/backend_choice.py on CPU (both backends interpreted, tiny shapes): one
     row holds a forward and a forward+backward time per backend."""
     import jax.numpy as jnp
 
-    from benchmarks import backend_choice
+    from benchmarks.tools import backend_choice
 
     row = backend_choice.run_case(8, 64, jnp.float32, True, reps=1, calls=2)
     assert (row["T"], row["V"], row["dtype"], row["entropy"]) == (8, 64, "float32", True)
@@ -437,40 +452,3 @@ def test_plot_linear_head_draws_the_committed_h200_run(tmp_path):
          os.path.join(BENCH_DIR, "results", "h200_linear_head.json"), "--out", str(png),
          timeout=120)
     assert png.stat().st_size > 10_000
-
-
-def test_linear_chunks_tiny_run(tmp_path):
-    """linear_chunks.py --tiny (CPU shapes) times every row and writes them all."""
-    out = tmp_path / "chunks.json"
-    _run("-m", "benchmarks.linear_chunks", "--tiny", "--out", str(out), timeout=300)
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["name"] for r in rows].count("forward GEMM") == 2
-    op_rows = [r for r in rows if r["name"] == "linear_logprob_entropy"]
-    assert len(op_rows) == 3 and all(r["fwd_ms"] > 0 and r["fb_ms"] > 0 for r in op_rows)
-
-
-def test_fused_head_probe_interpret_matches_xla():
-    """The fused head's forward probe (benchmarks/fused_head_probe.py) in Mosaic GPU's
-    interpreter gives the XLA statistics of hidden @ weight.T (it exits 1 beyond 1e-4)."""
-    out = _run("-m", "benchmarks.fused_head_probe", timeout=300)
-    assert out.count("max relative error") == 4
-
-
-@pytest.mark.parametrize("block_n,grid_order", [(64, "chunks,rows"), (128, "chunks,rows"),
-                                                (256, "rows,chunks")])
-def test_fused_head_probe_lowers_for_cuda(block_n, grid_order):
-    """The probe's variants of the kernel (the default is 256 columns, grid (chunks, rows))
-    lower for CUDA: Mosaic GPU checks layouts, transforms and TMA descriptors there."""
-    import functools
-
-    import jax
-    import jax.numpy as jnp
-
-    from benchmarks.fused_head_probe import fused_forward_stats
-
-    S = jax.ShapeDtypeStruct
-    f = functools.partial(fused_forward_stats, inv_tau=1 / 0.7, with_entropy=True,
-                          block_n=block_n, grid_order=grid_order)
-    text = jax.jit(f).trace(S((4096, 4096), jnp.bfloat16), S((151936, 4096), jnp.bfloat16),
-                            S((4096,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text

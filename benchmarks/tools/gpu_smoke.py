@@ -1,10 +1,10 @@
 """Quick GPU check: both Pallas backends vs the float64 reference, and first timings.
 
-    python -m benchmarks.gpu_smoke [--out DIR] [--configs "block_v,num_warps,num_stages;..."]
+    python -m benchmarks.tools.gpu_smoke [--out DIR] [--configs "block_v,num_warps,num_stages;..."]
 """
 if __name__ == "__main__" and not __package__:  # run by path: see benchmarks/__init__.py
     import os, sys  # noqa: E401
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import argparse, os, traceback  # noqa: E401
 import numpy as np
 import jax, jax.numpy as jnp  # noqa: E401

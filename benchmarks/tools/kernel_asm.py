@@ -1,22 +1,22 @@
 """The Mosaic GPU kernels as MLIR text, without debug locations: a check that a refactor
 changes no kernel. Runs on CPU (lowering for CUDA needs no GPU).
 
-    git stash; python -m benchmarks.kernel_asm --out /tmp/before.mlir; git stash pop
-    python -m benchmarks.kernel_asm --out /tmp/after.mlir
+    git stash; python -m benchmarks.tools.kernel_asm --out /tmp/before.mlir; git stash pop
+    python -m benchmarks.tools.kernel_asm --out /tmp/after.mlir
     cmp /tmp/before.mlir /tmp/after.mlir    # identical: the kernels did not change
 
 Each kernel's module is taken out of the lowered program's `mosaic_gpu` custom call and
 printed without locations (source lines would differ after any move of code). Covered:
 the direct route's kernels (`jaxops/mosaic_direct.py`), which are `pallas_mosaic`'s
 forward and backward kernels plus their prologue/epilogue, at fp32/bf16, with and without
-a mask and entropy, V_loc from 1024 to 151,936. Used in session 9: the `_mask_reader`
+a mask and entropy, V_loc from 1024 to 151,936. Used once so far: the `_mask_reader`
 refactor left all 10 modules identical under jax 0.10.2 and 0.11.2, and changing one
 constant in the mask read changed them.
 """
 
 if __name__ == "__main__" and not __package__:  # run by path: see benchmarks/__init__.py
     import os, sys  # noqa: E401
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import argparse
 

@@ -1,12 +1,12 @@
 """Which backend the bridge's default should use, per shape (issues 12 and 14).
 
-    python -m benchmarks.bridge_backend_choice [--out FILE.json] [--quick]
+    python -m benchmarks.tools.bridge_backend_choice [--out FILE.json] [--quick]
 
 In eager PyTorch on one GPU, `implementation="pallas_mosaic"` takes the direct route
 (`bridge/_direct.py`: Mosaic kernels launched from torch, no JAX runtime), while
 "pallas_triton" goes through JAX (DLPack hand-overs, jitted calls): a fixed host cost per
 call that the GPU hides only when its own work is longer. Where V_loc is small the Mosaic
-kernels alone are slower than Triton's (benchmarks/backend_choice.py), so which route wins
+kernels alone are slower than Triton's (benchmarks/tools/backend_choice.py), so which route wins
 depends on T * V_loc. Per case this times `bridge.logprob_entropy` + `torch.autograd.grad`
 (int64 targets, entropy on, a bool keep mask where named) with each backend, in turns:
 median over 5 pairs of loops of the mean µs per call of 30 synchronised calls. Prints and
@@ -15,7 +15,7 @@ pallas: µs} ("pallas", the default, takes the direct route since this compariso
 """
 if __name__ == "__main__" and not __package__:  # run by path: see benchmarks/__init__.py
     import os, sys  # noqa: E401
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import os, statistics  # noqa: E401
 

@@ -1,6 +1,6 @@
 """Kernel tuning sweep on one GPU: Pallas config variants at T = 8192, V = 151,936.
 
-    python -m benchmarks.tune --configs "block_v=2048,num_warps=4;block_v=1024,approx_exp2=0" [--out DIR]
+    python -m benchmarks.tools.tune --configs "block_v=2048,num_warps=4;block_v=1024,approx_exp2=0" [--out DIR]
 
 Each config is checked against the float64 reference on a small case first
 (a variant that is fast but wrong is reported as such), then timed: forward and
@@ -10,7 +10,7 @@ Times are medians of 5 rounds of 20 back-to-back jitted calls over 2 input sets
 """
 if __name__ == "__main__" and not __package__:  # run by path: see benchmarks/__init__.py
     import os, sys  # noqa: E401
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import argparse, os, traceback  # noqa: E401
 

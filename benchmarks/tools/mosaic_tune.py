@@ -1,6 +1,6 @@
 """Mosaic GPU kernel sweep (issue 14): the statistics and gradient kernels alone.
 
-    python -m benchmarks.mosaic_tune [--out FILE.json] [--quick] [--api | --small]
+    python -m benchmarks.tools.mosaic_tune [--out FILE.json] [--quick] [--api | --small]
 
 Times `pallas_mosaic.forward_stats` and `backward_logits` jitted on their own, with the
 keep mask handed over as uint8 (so no bool -> uint8 pass: the kernel's own cost), for
@@ -19,7 +19,7 @@ the same run.
 """
 if __name__ == "__main__" and not __package__:  # run by path: see benchmarks/__init__.py
     import os, sys  # noqa: E401
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import argparse, dataclasses, functools, json, time  # noqa: E401
 

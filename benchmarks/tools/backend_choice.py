@@ -1,7 +1,7 @@
 """Which Pallas backend is faster, per shape (issue 14): what `implementation="pallas"`
 picks is read off this (`jaxops.implementations.pallas_backend`, MOSAIC_MIN_VOCAB).
 
-    python -m benchmarks.backend_choice [--out FILE.json] [--quick]
+    python -m benchmarks.tools.backend_choice [--out FILE.json] [--quick]
 
 Times `jaxops.logprob_entropy` with implementation "pallas_triton" and "pallas_mosaic",
 jitted, forward and forward+backward (`jax.grad` of the outputs' sum), no mask, over
@@ -12,7 +12,7 @@ calls over 2 input sets (harness.time_calls). Prints and writes one row per case
 """
 if __name__ == "__main__" and not __package__:  # run by path: see benchmarks/__init__.py
     import os, sys  # noqa: E401
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import jax
 import jax.numpy as jnp

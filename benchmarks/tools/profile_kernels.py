@@ -2,7 +2,7 @@
 
     ncu --clock-control none --kernel-name regex:logprob_entropy --section LaunchStats \
         --section Occupancy --section SpeedOfLight --section WarpStateStats \
-        python -m benchmarks.profile_kernels --variants "dtype=bf16,case=ent;dtype=bf16,case=ent,prefetch=1"
+        python -m benchmarks.tools.profile_kernels --variants "dtype=bf16,case=ent;dtype=bf16,case=ent,prefetch=1"
 
 Each variant is `dtype=bf16|fp32`, `case=ent|noent|mask|mask-noent`, `phase=fwd|fwd_bwd`
 (default fwd) and any `PallasConfig` field (block_v=1024, num_warps=8, prefetch=1, ...),
@@ -12,7 +12,7 @@ after its compile, in the order given, so the profiler's kernel list follows tha
 """
 if __name__ == "__main__" and not __package__:  # run by path: see benchmarks/__init__.py
     import os, sys  # noqa: E401
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import argparse
 

@@ -2,10 +2,10 @@
 
 Through JAX, every call pays PJRT's dispatch, a DLPack import per operand and an
 export per result (~230 µs of host time for a forward and a backward at T = 16;
-benchmarks/NOTES.md, "Host cost"). Here the kernels of `jaxops/mosaic_direct.py` are
-compiled once per row-window size into launchers that take pointers to torch's
-tensors and launch on torch's default CUDA stream; every buffer comes from torch's
-caching allocator:
+docs/performance.md, "The bridge: host cost and the direct route"). Here the kernels of
+`jaxops/mosaic_direct.py` are compiled once per row-window size into launchers that take
+pointers to torch's tensors and launch on torch's default CUDA stream; every buffer comes
+from torch's caching allocator:
 
     forward   per window: partials kernel -> finish kernel -> log_prob, entropy,
               saved multipliers (O(T), kept for the backward); one kernel doing
@@ -20,8 +20,8 @@ shape the kernels take (`mosaic_direct.supported`); everything else goes through
 kernels (V_loc below `implementations.MOSAIC_MIN_VOCAB`): without JAX's per-call host
 cost the direct route was faster on the H200 at every size measured up to T = 16,384
 (V_loc 18,992 and 37,984, bf16/fp32, with and without a mask) and within 5% of the JAX
-route at T = 32,768 (benchmarks/NOTES.md, "The bridge's default route"). Work on another
-stream than the default is fenced with stream waits (no host sync).
+route at T = 32,768 (docs/performance.md, "The bridge: host cost and the direct route").
+Work on another stream than the default is fenced with stream waits (no host sync).
 
 The launcher (`_Launcher`) is built from the two pieces `plgpu.as_torch_kernel` is
 made of in jax 0.10-0.11 (the lowered module's Mosaic GPU call, and
@@ -36,7 +36,7 @@ it stays out of range (NaN log-prob) instead of wrapping around, and no torch op
 them. int32 ids are read as they are. Large windows (`GATHER_TARGET_FROM`) get the
 target's logit gathered by torch.
 
-Measured on the H200 (benchmarks/NOTES.md, "The direct route, host cost again"): a
+Measured on the H200 (docs/performance.md, "The bridge: host cost and the direct route"): a
 forward+backward takes 2.5-2.7x less time than through JAX at host-bound sizes; 1.2x the
 torch-only floor at T = 8192, V_loc = 18,992, 2-3x at T = 16.
 """
@@ -282,7 +282,8 @@ _JAX_DTYPES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float
 # From this many logits per row window on, the target's logit (and mask bit) are
 # gathered by torch (2-4 small ops, +160-220 µs of host time per call on the H200 host) instead
 # of tested for in every element of the partials kernel (+134 µs of GPU time per call
-# at T = 8192, V = 151,936 bf16; benchmarks/NOTES.md, "The direct route").
+# at T = 8192, V = 151,936 bf16; docs/performance.md, "The bridge: host cost and the
+# direct route").
 GATHER_TARGET_FROM = 2**28
 
 

@@ -33,7 +33,7 @@ _GPU_PLATFORMS = ("gpu", "cuda")
 
 # From this vocabulary shard width on, "pallas" means the Mosaic GPU kernels (Hopper and
 # newer), below it the Triton ones. H200, jax 0.11.2, T = 8192, bf16/fp32 x entropy on/off,
-# forward and forward+backward, through the public op (benchmarks/NOTES.md, "Which
+# forward and forward+backward, through the public op (docs/performance.md, "Which
 # backend 'pallas' means"): Mosaic faster in all 8 timings at V_loc = 75,968 and at
 # 151,936, Triton faster in 7 of 8 at 18,992; at 37,984 within 5% of each other, either
 # way. At V = 151,936 Mosaic was also faster for T = 512 to 32,768.

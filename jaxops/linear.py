@@ -22,7 +22,7 @@ Why chunks of the vocabulary rather than of the tokens: a token chunk re-reads t
 whole weight per chunk (V_loc * H, 1.2 GB at V = 151,936, H = 4096) and accumulates
 d weight `[V_loc, H]` in fp32 across chunks; a vocabulary chunk re-reads only hidden
 (T * H) and accumulates d hidden `[T, H]`, which is V_loc / T times smaller for the
-sizes RL runs (H200 measurements in benchmarks/NOTES.md).
+sizes RL runs (H200 measurements in docs/performance.md, "The fused LM head").
 
 Residuals are hidden, weight, targets, mask and the O(T) row maxima (and masked
 reference points): nothing `[T, V_loc]`. The chunks' logits stay in fp32, the GEMM's
@@ -56,7 +56,7 @@ from jaxops.reference import logprob_entropy_reference
 # MIN_CHUNK_BYTES so that small T still gets wide, efficient GEMMs. 48 MiB gives 3072
 # columns at T = 4096: on the H200 at H = 4096 the fused backward took the same time at
 # 3072 as at 4096 columns (34.93 vs 34.94 ms forward+backward) with XLA's temporaries at
-# 0.115x the bf16 logits instead of 0.135x (benchmarks/NOTES.md, session 19).
+# 0.115x the bf16 logits instead of 0.135x (docs/performance.md, "The fused LM head").
 MIN_CHUNK_BYTES = 48 * 2**20
 _COLUMN_ALIGN = 128
 
@@ -261,7 +261,7 @@ def chunked_backward(hidden, weight, local_targets, keep_mask, max_logit, masked
         if out_weight is not None:
             # [C, H] in fp32, rounded once. A dot with a bf16 result saves that fp32
             # temporary, but XLA may then sum in bf16: on the H200 it did at T = 7, H = 1,
-            # 0.4% off (benchmarks/NOTES.md, session 16), and the fp32-accumulation
+            # 0.4% off (docs/performance.md, "The fused LM head"), and the fp32-accumulation
             # algorithm that forbids it is rejected by XLA's CPU emitter at such shapes.
             # The fused path's shapes (T % 8 == 0, H % 64 == 0: a real GEMM, which
             # accumulates in fp32) take the bf16 result.
@@ -276,7 +276,7 @@ def chunked_backward(hidden, weight, local_targets, keep_mask, max_logit, masked
     # The narrower tail chunk first: its d hidden product then becomes the accumulator
     # (zeros + x folds away) and the scan's adds fuse into their GEMMs. Last, the tail's
     # add fused with the final rounding instead, and its GEMM wrote a second fp32
-    # [T, H] array (512 MiB at T = 16,384, H = 8192: benchmarks/NOTES.md, session 16).
+    # [T, H] array (512 MiB at T = 16,384, H = 8192: docs/performance.md, "The fused LM head").
     d_hidden, out_weight = _over_columns(body, (d_hidden, out_weight), weight, keep_mask,
                                          local_targets, chunk, tail_first=True)
     return (None if d_hidden is None else d_hidden.astype(hidden.dtype)), out_weight

@@ -28,8 +28,8 @@ The grid is (chunks, row blocks), row blocks fastest: the CTAs resident at one t
 work on one chunk of the weight, which L2 then serves to all of them. Each CTA re-reads
 its rows of `hidden` per column tile, which costs little only while the resident CTAs
 span enough of T (hence the row groups). Forward ms on the H200, V = 151,936 bf16,
-this kernel / the chunked forward / the bf16 GEMM alone (`benchmarks/fused_head_probe.py`,
-benchmarks/NOTES.md sessions 16-17): T = 512, H = 4096: 0.98 / 1.82 / 0.95; T = 1024,
+this kernel / the chunked forward / the bf16 GEMM alone (docs/performance.md, "The fused
+LM head"): T = 512, H = 4096: 0.98 / 1.82 / 0.95; T = 1024,
 H = 4096: 1.84 / 2.73 / 1.67; T = 2048, H = 8192: 6.88 / 8.60 / 6.41; T = 4096,
 H = 4096: 7.2 / 8.8 / 6.2; T = 4096, H = 8192: 15.1 / 16.6 / 15.0; in row groups of 2048
 (one launch in brackets): T = 8192, H = 4096: 15.3 (17.6) / 17.5 / 13.8; T = 16,384,
@@ -57,7 +57,7 @@ _ROWS = 64  # rows per CTA: the M extent of one warpgroup's wgmma
 # ROW_GROUP rows. One launch at T = 16,384, H = 4096 took 36.8 ms (the chunked forward
 # 33.9): its resident CTAs span too few rows of a chunk for L2 to keep serving the
 # weight. Groups of 2048 rows: 32.4 ms (4096: 33.4); T = 8192: 15.3 (chunked 17.5);
-# T = 16,384, H = 8192: 64.1 (65.2). H200, benchmarks/NOTES.md session 17.
+# T = 16,384, H = 8192: 64.1 (65.2). H200; docs/performance.md, "The fused LM head".
 MAX_ONE_LAUNCH_TOKENS = 4096
 ROW_GROUP = 2048
 # Tile and pipeline defaults, from the probe's sweep at T = H = 4096 (ms): block_n 256 /
@@ -67,7 +67,8 @@ BLOCK_N, BLOCK_K, NUM_STAGES, CHUNK_V = 256, 64, 4, 2048
 # The backward's CTAs each cover chunk_v columns of one call's chunk of the vocabulary
 # (4096 columns at T = 4096): 512 gives 8 CTAs per row block there. Per 4096-column
 # chunk at T = H = 4096 (single calls, host latency included): 2048 0.44 ms, 1024 0.38,
-# 512 0.36; the chunked GEMM + statistics kernel 0.47 (benchmarks/NOTES.md session 17).
+# 512 0.36; the chunked GEMM + statistics kernel 0.47 (docs/performance.md, "The fused
+# LM head").
 BACKWARD_CHUNK_V = 512
 # Where the linear backward takes `backward_logits`: forward+backward at T = 4096, V =
 # 151,936 bf16, chunk 4096: H = 4096 34.35 ms (35.24 with the GEMM + statistics
@@ -75,8 +76,8 @@ BACKWARD_CHUNK_V = 512
 MAX_FUSED_BACKWARD_TOKENS = 4096
 
 
-# Whether `applies` admits a keep mask. On the H200 at T = H = 4096 (session 19,
-# benchmarks/NOTES.md) the masked fused kernels beat the chunked path: forward 8.83 vs
+# Whether `applies` admits a keep mask. On the H200 at T = H = 4096 (docs/performance.md,
+# "The fused LM head") the masked fused kernels beat the chunked path: forward 8.83 vs
 # 9.24 ms (uint8 mask) and 9.57 vs 9.90 ms (bool), forward+backward 37.5 vs 38.5 ms and
 # 38.0 vs 38.5 ms. Off, a masked call takes the chunked path (the benchmark's switch).
 MASKED = True
@@ -228,8 +229,8 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
     # without the entropy (dropped at the end): on the H200 at T = H = 4096 the kernel
     # without that sum took 9.51 ms against 8.51 with it, and the op's forward without
     # the entropy 9.61 against 8.32 ms with the sum computed and dropped, bitwise the
-    # same log-probs (benchmarks/NOTES.md session 19; why the smaller kernel is slower
-    # was not traced).
+    # same log-probs (docs/performance.md, "The fused LM head"; why the smaller kernel
+    # is slower was not traced).
     num_out = 4 + 2 * masked
     grid_names = tuple(grid_order.split(","))
     if sorted(grid_names) != ["chunks", "rows"]:

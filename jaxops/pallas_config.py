@@ -23,7 +23,7 @@ class PallasConfig:
     # Skip the per-tile rescale of the running sums (a scalar branch) when the
     # tile does not raise the row max (the skipped factor is exactly 1). None:
     # only for the log-prob-only, unmasked forward, the one case where it was
-    # faster on the H200 (benchmarks/NOTES.md, tuning log step 4).
+    # faster on the H200 (docs/performance.md, "Triton kernels: tuned defaults").
     skip_rescale: bool | None = None
     # Issue the next tile's loads before folding the current one (the tile is
     # carried through the loop in registers), so each program keeps two tiles of
@@ -49,12 +49,12 @@ def with_tuned_defaults(config: PallasConfig, num_vocab: int, *, masked: bool, i
                         with_entropy: bool = True, backward: bool = False) -> PallasConfig:
     """`config` with its `None` fields filled in for one kernel launch.
 
-    The tuned defaults (benchmarks/NOTES.md, tuning log steps 3-7): one tile size fits
-    fp32 and bf16; masked kernels carry a third per-lane vector and the mask bytes and
-    run faster on half the tile. With 2-byte logits a tile is too few bytes in flight per
-    program: the forward with entropy reduces its sums per tile (fewer registers, more
-    programs per SM), the other kernels prefetch the next tile. fp32 keeps the plain
-    kernels (at the roofline already)."""
+    The tuned defaults (docs/performance.md, "Triton kernels: tuned defaults"): one tile
+    size fits fp32 and bf16; masked kernels carry a third per-lane vector and the mask
+    bytes and run faster on half the tile. With 2-byte logits a tile is too few bytes in
+    flight per program: the forward with entropy reduces its sums per tile (fewer
+    registers, more programs per SM), the other kernels prefetch the next tile. fp32 keeps
+    the plain kernels (at the roofline already)."""
     narrow = itemsize < 4
     block_v = config.block_v or (1024 if masked else 2048)
     block_v = min(block_v, _next_power_of_2(max(num_vocab, 16)))
@@ -78,7 +78,7 @@ def with_tuned_defaults(config: PallasConfig, num_vocab: int, *, masked: bool, i
 class MosaicConfig:
     """Launch parameters of the Mosaic GPU kernels (`pallas_mosaic.py`); `None` fields
     take the defaults of `mosaic_defaults`, chosen from H200 sweeps
-    (`benchmarks/mosaic_tune.py`, benchmarks/NOTES.md)."""
+    (`benchmarks/tools/mosaic_tune.py`; docs/performance.md, "Mosaic kernels")."""
 
     # Vocabulary columns per tile; a CTA holds [64, block_v] tiles (multiple of 64).
     block_v: int | None = None

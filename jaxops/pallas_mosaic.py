@@ -31,7 +31,7 @@ T > 8 is not a multiple of 8 the tiles move unswizzled (`_transforms`), bitwise 
 same results, slower (bf16 1.6x at T = 8191; "pallas" picks Triton for such T). The kernels
 read the mask as bytes: a uint8 mask (nonzero = kept) in place, a bool one after
 `_mask_bytes`'s XLA pass over it (on the H200 that pass makes a bf16 masked forward
-2.6x slower: benchmarks/NOTES.md, "Mosaic kernels, session 10") or, where
+2.6x slower: docs/performance.md, "Which backend 'pallas' means") or, where
 `_mask_view.ENABLED`, in place too.
 
 Measured on the H200 at T = 8192, V = 151,936 (uint8 masks): every fp32/bf16 x

@@ -363,7 +363,8 @@ def test_kernel_variants(variant, num_vocab, dtype):
     (4, True, False, True, dict(scalar_sums=False, prefetch=False, block_v=1024)),
 ])
 def test_tuned_defaults(itemsize, masked, with_entropy, backward, expected):
-    """The defaults benchmarks/NOTES.md documents (tuning log steps 3-7); explicit fields win."""
+    """The defaults docs/performance.md documents ("Triton kernels: tuned defaults");
+    explicit fields win."""
     resolved = with_tuned_defaults(jaxops.PallasConfig(), 151_936, masked=masked,
                                    itemsize=itemsize, with_entropy=with_entropy,
                                    backward=backward)
@@ -449,7 +450,7 @@ def test_gradient_of_the_gradient(implementation, mask):
 
 
 def test_target_only_rows_far_below_the_maximum_pallas():
-    """The example test_random_calls drew in session 18's CI, pinned: V = 2, three rows
+    """The example test_random_calls drew in CI once, pinned: V = 2, three rows
     whose masks keep only the target, fp32 logits up to 14.7 at temperature 0.3 (|x| up
     to 49), log-prob only. The Pallas forward folded such a target into the kept sum as
     exactly 1 while its backward recomputed 2^d with |x| 2^-24 rounding: max |g| 3.7e-5

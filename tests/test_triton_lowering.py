@@ -1,7 +1,7 @@
 """The Triton kernels lowered for CUDA on the CPU, and their IR put through MLIR's verifier.
 
 Interpret mode runs a kernel's jaxpr, not its Triton IR, so it accepts kernels that the
-GPU then refuses: in session 20 a `jnp.where(.., 0.0, 1.0)` in the forward lowered, with
+GPU then refuses: once a `jnp.where(.., 0.0, 1.0)` in the forward lowered, with
 jax_enable_x64 off, to an `arith.select` of i1 constants into an f32 (the GPU plugin:
 "Failed to parse Triton module"), and `jnp.where(bit, 1, 0)` with x64 on tripped an
 assertion of the lowering itself. Both show up here, without a GPU: the GPU plugin's

@@ -49,9 +49,12 @@ import threading
 
 import torch
 
+from bridge import cache as _cache
 from jaxops.pallas_config import MosaicConfig
 
 _LAUNCHERS: dict = {}  # (kernel, device index) -> _Launcher
+# kernel -> everything its factory was given: the persistent cache's key (`_cache_key`)
+_KERNEL_KEYS: dict = {}
 _thread = threading.local()
 
 
@@ -97,25 +100,27 @@ class _Launcher:
     addresses (inputs, then outputs, as the kernel declares them)."""
 
     def __init__(self, kernel, structs, device):
-        import jax
-        from jax._src.lib.mlir import passmanager
-        from jax._src.pallas.mosaic_gpu import torch as mgpu_torch
-        from jax.experimental.mosaic import gpu as mgpu
         from jax.experimental.mosaic.gpu import core as mgpu_core
 
-        with jax.enable_x64(False):  # the kernels are float32/int32 throughout
-            module = jax.jit(kernel).trace(*structs).lower().compiler_ir()
-        with module.context:
-            # jit outlines the kernel call into a function; inline it back.
-            mgpu.dialect.register_inliner_extensions(module.context)
-            passmanager.PassManager.parse("builtin.module(inline{default-pipeline=})").run(
-                module.operation)
-            call = mgpu_torch._find_mgpu_call_in_module(module)[0]
-        if len(call.operands) != len(structs):
-            raise RuntimeError("the kernel module has operands besides the kernel's own")
-        self._pointers = ctypes.c_void_p * (len(structs) + len(call.results))
-        asm = call.attributes["mhlo.backend_config"]["module"].value_bytes
-        launch, self._unload = mgpu_core._compile_as_torch_gpu_kernel(asm)
+        # The lowered module from the persistent cache (`cache.py`) where it has one,
+        # which skips JAX's tracing and lowering (Mosaic's compile to a cubin still runs).
+        # A kernel made elsewhere than below (no `_KERNEL_KEYS` entry) is not cached.
+        config = _KERNEL_KEYS.get(kernel)
+        key = _cache.kernel_key(config, structs, device) if config else None
+        entry = _cache.load_kernel(key) if key else None
+        launch = None
+        if entry is not None:
+            asm, num_results = entry
+            try:
+                launch, self._unload = mgpu_core._compile_as_torch_gpu_kernel(asm)
+            except RuntimeError:  # an entry Mosaic cannot compile here: build it anew
+                launch = None
+        if launch is None:
+            asm, num_results = _lower(kernel, structs)
+            launch, self._unload = mgpu_core._compile_as_torch_gpu_kernel(asm)
+            if key:
+                _cache.store_kernel(key, asm, num_results)
+        self._pointers = ctypes.c_void_p * (len(structs) + num_results)
         # The wrapper looks up torch's default stream on every launch (~2 µs of host
         # time, and ~5 µs with its closure); the stream of a device never changes, so
         # the compiled launch function is called directly where the wrapper's closure
@@ -131,6 +136,26 @@ class _Launcher:
 
     def __call__(self, pointers):
         self._call(self._pointers(*pointers))
+
+
+def _lower(kernel, structs) -> tuple[bytes, int]:
+    """(the kernel's Mosaic GPU module as `MosaicGpuCompile` takes it, its result count)."""
+    import jax
+    from jax._src.lib.mlir import passmanager
+    from jax._src.pallas.mosaic_gpu import torch as mgpu_torch
+    from jax.experimental.mosaic import gpu as mgpu
+
+    with jax.enable_x64(False):  # the kernels are float32/int32 throughout
+        module = jax.jit(kernel).trace(*structs).lower().compiler_ir()
+    with module.context:
+        # jit outlines the kernel call into a function; inline it back.
+        mgpu.dialect.register_inliner_extensions(module.context)
+        passmanager.PassManager.parse("builtin.module(inline{default-pipeline=})").run(
+            module.operation)
+        call = mgpu_torch._find_mgpu_call_in_module(module)[0]
+    if len(call.operands) != len(structs):
+        raise RuntimeError("the kernel module has operands besides the kernel's own")
+    return call.attributes["mhlo.backend_config"]["module"].value_bytes, len(call.results)
 
 
 def _bind_primary_context(device_index: int) -> None:
@@ -211,7 +236,11 @@ class _WindowForward:
 
 @functools.lru_cache(maxsize=None)
 def _window_forward(*key) -> _WindowForward:
-    return _WindowForward(*key)
+    kernels = _WindowForward(*key)
+    for name in ("kernel", "partials", "finish"):
+        if hasattr(kernels, name):
+            _KERNEL_KEYS[getattr(kernels, name)] = (name,) + key
+    return kernels
 
 
 @functools.lru_cache(maxsize=None)
@@ -219,10 +248,13 @@ def _backward_kernel(num_tokens, num_vocab, dtype, masked, with_entropy, entropy
                      has_d_log_prob, has_d_entropy, inv_tau, wide, config):
     from jaxops import mosaic_direct as md
 
-    return md.backward_kernel(num_tokens, num_vocab, dtype, masked=masked,
-                              with_entropy=with_entropy, entropy_grad=entropy_grad,
-                              has_d_log_prob=has_d_log_prob, has_d_entropy=has_d_entropy,
-                              inv_tau=inv_tau, wide_targets=wide, config=config, into=True)
+    kernel = md.backward_kernel(num_tokens, num_vocab, dtype, masked=masked,
+                                with_entropy=with_entropy, entropy_grad=entropy_grad,
+                                has_d_log_prob=has_d_log_prob, has_d_entropy=has_d_entropy,
+                                inv_tau=inv_tau, wide_targets=wide, config=config, into=True)
+    _KERNEL_KEYS[kernel] = ("backward", num_tokens, num_vocab, dtype, masked, with_entropy,
+                            entropy_grad, has_d_log_prob, has_d_entropy, inv_tau, wide, config)
+    return kernel
 
 
 @functools.lru_cache(maxsize=None)

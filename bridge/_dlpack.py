@@ -157,6 +157,9 @@ class _Device:
     def __init__(self, tdev: torch.device):
         import jax
 
+        from bridge import cache
+
+        cache.enable()  # before the bridge's first compile (the probe below is one)
         self.torch_device = tdev
         self.cuda = tdev.type == "cuda"
         if self.cuda:

@@ -3,6 +3,8 @@
 - float64 is enabled for the whole session: the tests compare every implementation
   against `implementation="reference"` evaluated on the same input values upcast to
   float64 (docs/design.md §8).
+- The bridge's persistent compilation cache is off (`JAXOPS_CACHE_DIR=off`) unless
+  the environment sets it.
 - `@pytest.mark.gpu` (or `pytest.param(..., marks=pytest.mark.gpu)`) marks a test that
   needs a CUDA GPU; it is skipped, with the reason shown, wherever JAX's default
   backend is not "gpu".
@@ -10,8 +12,15 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import pytest
+
+# The bridge's persistent compilation cache stays off in test processes (each test
+# compiles for itself, nothing is written to ~/.cache); tests/test_bridge_cache.py
+# turns it on in the processes it starts.
+os.environ.setdefault("JAXOPS_CACHE_DIR", "off")
 
 jax.config.update("jax_enable_x64", True)
 

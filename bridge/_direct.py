@@ -82,7 +82,7 @@ def _ready() -> bool:
 def applies(plan, world: int, want_stats: bool) -> bool:
     if want_stats or world != 1 or not plan.dev.cuda:
         return False
-    if plan.implementation != "pallas_mosaic" and not plan.auto:
+    if plan.implementation != "pallas_mosaic":
         return False
     if plan.logits.device.index != torch.cuda.current_device():
         return False

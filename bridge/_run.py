@@ -99,25 +99,22 @@ class Plan:
     """One call's torch inputs on one device, cut into row windows (torch views)."""
 
     __slots__ = ("dev", "logits", "mask", "raw_targets", "target_mode", "words",
-                 "windows", "implementation", "config", "num_tokens", "num_vocab", "auto")
+                 "windows", "implementation", "config", "num_tokens", "num_vocab")
 
     def __init__(self, logits, targets, keep_mask, implementation):
         dev = self.dev = _dlpack.device(logits.device)
         self.logits = big("logits", logits, dev)
         self.mask = None if keep_mask is None else big("keep_mask", keep_mask, dev)
         self.raw_targets, self.target_mode, self.words = _raw_targets(targets, dev)
-        # "pallas" (the CUDA default) leaves the route to the bridge: the direct one
-        # (`_direct.applies`: Mosaic kernels) where it applies, else through JAX with the
-        # Triton kernels, whatever the JAX op would pick: their backward writes the
-        # gradient into torch's tensor, the Mosaic one would have JAX allocate [T, V_loc]
-        # beside torch's cache (issue 12's one memory pool; at V_loc >= 65,536 the Mosaic
-        # kernels were 1-8% faster forward+backward, 4-23% forward alone: the crossover
-        # table in benchmarks/NOTES.md, "Small grids, and which backend").
-        self.auto = dev.cuda and (implementation or "pallas") == "pallas"
+        # "pallas" (the CUDA default) runs the kernels jaxops' policy picks, on either
+        # route: the direct one (`_direct.applies`) where it applies, else through JAX.
+        # Both backends' backward kernels store the gradient into torch's tensor there
+        # (`can_write_into`): one memory pool. The same kernels on every route give a
+        # row the same bits whatever the route (docs/bridge.md).
         # A mask counts as bytes: the Mosaic kernels get a bool one as its uint8 view
         # (torch's bool is one byte, 0 or 1: zero-copy), so they pay no conversion.
         self.implementation, self.config = implementation_for(
-            "pallas_triton" if self.auto else implementation, dev,
+            implementation, dev,
             num_vocab=logits.shape[-1], itemsize=logits.element_size(),
             mask_dtype=None if keep_mask is None else np.uint8)
         if self.implementation == "pallas_mosaic" and self.mask is not None:

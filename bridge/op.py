@@ -337,8 +337,9 @@ def logprob_entropy(
         group of one) of an sm_90+ GPU, "pallas" and "pallas_mosaic" launch the Mosaic
         kernels from torch without JAX's runtime (`bridge/_direct.py`): on the H200 2-3x
         less time per call than through JAX up to T = 8192 and as fast at T = 32,768.
-        Elsewhere "pallas" runs the Triton kernels through JAX, whose backward writes
-        the gradient into torch's memory (the Mosaic one cannot).
+        "pallas" runs the kernels jaxops' policy picks for V_loc, dtype and mask on
+        every route (Mosaic at V_loc >= 65,536 on Hopper, else Triton); through JAX
+        either backward writes the gradient into torch's memory.
       check_targets: opt-in checks that cost a host sync per call: raise ValueError for
         targets outside the vocabulary (`bridge.check_targets`) and, with a process
         group, for ranks passing different T. Off by default (no host sync): an

@@ -28,11 +28,11 @@ from jax.interpreters import batching, mlir
 
 # Whether the Mosaic kernels take bool masks through `bytes_view` (`pallas_mosaic.
 # _mask_bytes`) and "pallas" routes bool masks to them (`implementations.
-# pallas_backend`). Off until it has run on a GPU: CPU tests lower it for CUDA
-# (tests/test_mask_view.py), but XLA's GPU compiler has not seen it nor a GPU run it.
-# Read when a kernel call is traced: set it before a jitted function's first call (jit
-# keeps the trace it made).
-ENABLED = False
+# pallas_backend`). Checked on the GPU (tests/test_mask_view.py, `gpu` marker); False
+# gives the XLA conversion to uint8 before each kernel (a pass over the mask). Read when
+# a kernel call is traced: set it before a jitted function's first call (jit keeps the
+# trace it made).
+ENABLED = True
 
 _bytes_view_p = Primitive("mask_bytes_view")
 # Only dtype changes: vma (shard_map) and sharding carry over.

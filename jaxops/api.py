@@ -74,7 +74,7 @@ def logprob_entropy(
     num_tokens = int(np.prod(lead_shape))
     impl, config = implementations.for_call(
         impl, config, pallas_config, num_vocab=num_vocab, itemsize=jnp.dtype(logits.dtype).itemsize,
-        mask_dtype=None if keep_mask is None else keep_mask.dtype, num_tokens=num_tokens)
+        mask_dtype=None if keep_mask is None else keep_mask.dtype)
     if num_tokens == 0:
         # float32, or float64 for the float64 reference: the dtype a non-empty call returns.
         empty = jnp.zeros(lead_shape, jnp.promote_types(logits.dtype, jnp.float32))

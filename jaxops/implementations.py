@@ -21,7 +21,7 @@ import functools
 import importlib
 from types import ModuleType
 
-from jaxops.pallas_config import MosaicConfig, PallasConfig, mosaic_rows_tile, mosaic_supported
+from jaxops.pallas_config import MosaicConfig, PallasConfig, mosaic_supported
 
 IMPLEMENTATIONS = ("pallas", "pallas_triton", "pallas_mosaic", "xla", "reference")
 # The implementations that compute per-shard statistics: name -> module providing
@@ -92,22 +92,21 @@ def mosaic_available() -> bool:
 
 
 def pallas_backend(num_vocab: int, itemsize: int, mask_dtype, capability,
-                   mosaic_usable: bool = True, num_tokens: int | None = None) -> str:
+                   mosaic_usable: bool = True) -> str:
     """The Pallas backend "pallas" means for one call on a GPU: "pallas_mosaic" or
     "pallas_triton".
 
     `num_vocab`: V_loc; `itemsize`: the logits' bytes per element; `mask_dtype`: None,
-    or the dtype the kernels would be handed the keep mask in; `capability`: the GPU's
-    compute capability (major, minor), None if unknown; `num_tokens`: the call's T
-    (None: not known, taken as a multiple of 8). Mosaic where it runs (sm_90+, a JAX
-    with its pieces, a V_loc its TMA tiles take) and was measured faster: V_loc >=
-    MOSAIC_MIN_VOCAB, the mask, if any, in bytes (uint8/int8; bool too where
-    `_mask_view.ENABLED`), and T < 8 or a multiple of 8. Otherwise a bool mask costs the
-    Mosaic kernels an XLA pass over it (`pallas_mosaic._mask_bytes`; on the H200 a bf16
-    masked forward 2.6x slower), which the Triton kernels do not pay. Other T move
-    untiled tiles (`mosaic_rows_tile`): on the H200 at V = 151,936 with entropy, bf16
-    T = 8191 took 3.00 ms forward+backward against 1.86 ms at T = 8192 (Triton:
-    2.00 ms), fp32 3.81 ms (Triton 3.78 ms)."""
+    or the dtype of the keep mask; `capability`: the GPU's compute capability (major,
+    minor), None if unknown. Mosaic where it runs (sm_90+, a JAX with its pieces, a V_loc
+    its TMA tiles take) and was measured faster: V_loc >= MOSAIC_MIN_VOCAB, the mask, if
+    any, of one byte per element (bool, read in place through `_mask_view`, or
+    uint8/int8).
+
+    Never a function of T: the choice is the same for every batch a row can be in, so
+    the default is bitwise batch invariant (each backend is on its own). T > 8 not a
+    multiple of 8 moves untiled Mosaic tiles (`mosaic_rows_tile`, slower in bf16:
+    docs/performance.md)."""
     import numpy as np
 
     from jaxops import _mask_view  # here: `import jaxops` stays without jax.extend
@@ -119,17 +118,15 @@ def pallas_backend(num_vocab: int, itemsize: int, mask_dtype, capability,
         return "pallas_triton"
     if not mosaic_supported(num_vocab, itemsize, mask_dtype is not None):
         return "pallas_triton"
-    if num_tokens is not None and not mosaic_rows_tile(num_tokens):
-        return "pallas_triton"
     return "pallas_mosaic" if num_vocab >= MOSAIC_MIN_VOCAB else "pallas_triton"
 
 
 def for_call(name: str, config, pallas_config=None, *, num_vocab: int, itemsize: int,
-             mask_dtype, platform: str | None = None, num_tokens: int | None = None):
+             mask_dtype, platform: str | None = None):
     """(name, config) from `resolve`, made concrete for one call: "pallas" becomes
     "pallas_mosaic" or "pallas_triton" (`pallas_backend` on this process's first GPU);
-    the other names pass through. `num_vocab`, `itemsize`, `mask_dtype`, `num_tokens`: as
-    for `pallas_backend`. `pallas_config` is what the caller passed to
+    the other names pass through. `num_vocab`, `itemsize`, `mask_dtype`: as for
+    `pallas_backend`. `pallas_config` is what the caller passed to
     `resolve`: a `MosaicConfig` picks Mosaic, non-default `PallasConfig` parameters
     pick Triton (they tune its kernels). Off-GPU (interpret mode) "pallas" stays the
     Triton kernels."""
@@ -143,8 +140,7 @@ def for_call(name: str, config, pallas_config=None, *, num_vocab: int, itemsize:
     else:
         found = _first_gpu_capability()
         backend = pallas_backend(num_vocab, itemsize, mask_dtype,
-                                 None if found is None else found[1], _mosaic_usable(),
-                                 num_tokens)
+                                 None if found is None else found[1], _mosaic_usable())
     if backend == "pallas_triton":
         return backend, config
     return resolve(backend, platform, pallas_config)

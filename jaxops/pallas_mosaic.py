@@ -69,7 +69,7 @@ _LN2 = 0.6931471805599453
 _SHARED_EXP_GAP = 64.0
 
 
-# --- version shims (jax 0.10.2 and 0.11.2 checked) -------------------------------------
+# --- version shims (jax 0.10.2, 0.11.2 and 0.12.1 checked) ------------------------------
 
 def _interpret_params():
     """Mosaic GPU's own interpreter (GMEM/SMEM, TMA, barriers simulated on CPU).
@@ -111,9 +111,30 @@ def _read_unoptimized(ref, layout, config: MosaicConfig):
     where V_loc admits no swizzle, see `_transforms`)."""
     if config.interpret:
         return ref[...]
-    if inspect.signature(plgpu.load).parameters["idx"].default is inspect.Parameter.empty:
+    if _LOAD_NEEDS_INDEX:
         return plgpu.load(ref, (), layout=layout, optimized=False)  # jax 0.10
-    return plgpu.load(ref, layout=layout, optimized=False)  # 0.11: index the ref instead
+    return plgpu.load(ref, layout=layout, optimized=False)  # 0.11, 0.12: index the ref
+
+
+def _load_needs_index() -> bool:
+    """`plgpu.load(ref, idx, ...)`: jax 0.10 requires the index; 0.11 makes it optional
+    (deprecated) and 0.12 removes it. 0.11 and 0.12 then load the whole ref alike."""
+    idx = inspect.signature(plgpu.load).parameters.get("idx")
+    return idx is not None and idx.default is inspect.Parameter.empty
+
+
+_LOAD_NEEDS_INDEX = _load_needs_index()
+
+
+def _write(ref, value, config: MosaicConfig, *, tiled: bool = False):
+    """`ref[...] = value` into SMEM, a ref without tiling transforms (row vectors, the
+    untiled tiles of `_transforms`) allowing bank conflicts, as jax 0.10 and 0.11 store
+    it. From 0.12 `ref[...] =` demands a conflict-free plan there (and loads the old
+    value), which such tiles may lack; its new `plgpu.store` can waive that."""
+    if tiled or config.interpret or not hasattr(plgpu, "store"):  # jax 0.10, 0.11
+        ref[...] = value
+    else:
+        plgpu.store(ref, value, optimized=False)  # 0.12
 
 
 def _tile_reader(transforms, config: MosaicConfig):
@@ -443,7 +464,7 @@ def _forward_kernel(*refs, num_vocab, inv_tau, with_entropy, masked, config, ite
     if epilogue:
         results = epilogue[0](results, target)
     for smem, value in zip(smem_refs, results):
-        smem[...] = value
+        _write(smem, value, config)
     plgpu.commit_smem()
     for smem, out in zip(smem_refs, out_refs):
         plgpu.copy_smem_to_gmem(smem, out.at[rows] if epilogue else out.at[chunk, rows])
@@ -596,11 +617,13 @@ def backward_vectors(max_logit, masked_max, coefs: BackwardCoefs, inv_tau, padde
 
 
 def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsize,
-                     num_vectors, prologue=None):
+                     num_vectors, prologue=None, write_through=False):
     """`prologue`: None reads the targets and the coefficient vectors computed by
     `backward_logits`; else `prologue(refs, rows)` -> (target, vectors, dlogits_ref,
     grad_smem) computes them in the kernel from whatever `refs` it was given
-    (`mosaic_direct.py`)."""
+    (`mosaic_direct.py`). `write_through`: the gradient goes to an input buffer (the
+    ref after the vectors) and the output is a `[padded]` ready-token (see
+    `backward_logits`)."""
     refs = list(refs)
     logits_ref = refs.pop(0)
     mask_ref = refs.pop(0) if masked else None
@@ -615,10 +638,17 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsiz
         target_ref = refs.pop(0)
         vectors_ref = refs.pop(0)  # [num_vectors, padded] float32, see backward_logits
         dlogits_ref = refs.pop(0)
+        done_ref = refs.pop(0) if write_through else None
         target_smem, vectors_smem, grad_smem, barrier = refs
         copy_targets(target_ref, rows, target_smem, barrier.at[0], wide=False)
         plgpu.copy_gmem_to_smem(vectors_ref.at[:, rows], vectors_smem, barrier.at[0])
         plgpu.barrier_wait(barrier.at[0])
+        if write_through:
+            # The token's values are never read; storing one of the vectors gives it
+            # defined contents without another SMEM buffer.
+            @pl.when(chunk == 0)
+            def _():
+                plgpu.copy_smem_to_gmem(vectors_smem.at[0], done_ref.at[rows])
         target = read_targets(target_smem, False, config)
         vectors = [_read(vectors_smem.at[i], _rows_layout(), config)
                    for i in range(num_vectors)]
@@ -669,7 +699,8 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsiz
         # the 0.10 interpreter.)
         slot = lax.rem(j, jnp.int32(stages))
         plgpu.wait_smem_to_gmem(stages - 1, wait_read_only=True)
-        grad_smem.at[slot][...] = grad.astype(grad_smem.dtype)
+        _write(grad_smem.at[slot], grad.astype(grad_smem.dtype), config,
+               tiled=bool(transforms))
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(
             grad_smem.at[slot],
@@ -707,19 +738,44 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsiz
     plgpu.wait_smem_to_gmem(0)
 
 
+def can_write_into(logits, keep_mask, config: MosaicConfig | None) -> bool:
+    """Whether `backward_logits(..., into=buffer)` can write the gradient into `buffer`:
+    compiled kernels (not the interpreter, which works on copies) at a V_loc they take."""
+    return (not (config is not None and config.interpret) and logits.shape[0] > 0
+            and mosaic_supported(logits.shape[-1], logits.dtype.itemsize,
+                                 keep_mask is not None))
+
+
 def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
                     coefs: BackwardCoefs, *, inv_tau,
-                    config: MosaicConfig | None = None, out_dtype=None) -> jax.Array:
+                    config: MosaicConfig | None = None, into=None,
+                    out_dtype=None) -> jax.Array:
     """d loss / d logits `[T, V_loc]` in the logits' dtype (see `contract.py`); another
     `out_dtype` is a rounding of that after the kernel (the kernel stores through SMEM
-    tiles of the logits' dtype), not a narrower store as in `pallas_gpu`."""
+    tiles of the logits' dtype), not a narrower store as in `pallas_gpu`.
+
+    With `into` (a `[T, V_loc]` array of the logits' dtype, e.g. a DLPack view of a
+    tensor PyTorch allocated), the kernel's TMA stores go to that buffer instead of a
+    new one, and the result is a `[T]` float32 array that is ready once the buffer is
+    written (its values are unspecified). XLA treats `into` as a read-only input: read
+    it through its owner only. Needs `can_write_into(...)`."""
+    if into is not None:
+        if not can_write_into(logits, keep_mask, config):
+            raise ValueError("backward_logits(into=...) needs the compiled Mosaic kernels "
+                             "at a V_loc they take")
+        if out_dtype is not None and jnp.dtype(out_dtype) != logits.dtype:
+            raise ValueError("backward_logits(into=...) writes the logits' dtype")
+        if into.shape != logits.shape or into.dtype != logits.dtype:
+            raise ValueError(f"into must be {logits.shape} {logits.dtype}, "
+                             f"got {into.shape} {into.dtype}")
     dlogits = _backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
-                               coefs, inv_tau=inv_tau, config=config)
+                               coefs, inv_tau=inv_tau, config=config, into=into)
     return dlogits if out_dtype is None else dlogits.astype(out_dtype)
 
 
 def _backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
-                     coefs: BackwardCoefs, *, inv_tau, config: MosaicConfig | None):
+                     coefs: BackwardCoefs, *, inv_tau, config: MosaicConfig | None,
+                     into=None):
     num_tokens, num_vocab = logits.shape
     masked = keep_mask is not None
     itemsize = logits.dtype.itemsize
@@ -747,12 +803,13 @@ def _backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
     out_shape = ((padded, chunks * per_chunk * config.block_v) if config.interpret
                  else logits.shape)
     operands = ([logits] + ([_mask_bytes(keep_mask, in_place=not config.interpret)] if masked
-                           else []) + [target, vectors])
+                           else []) + [target, vectors] + ([] if into is None else [into]))
+    out_type = ((out_shape, logits.dtype) if into is None else ((padded,), jnp.float32))
     kernel = plgpu.kernel(
         functools.partial(_backward_kernel, num_vocab=num_vocab, inv_tau=inv_tau,
                           entropy=entropy, masked=masked, config=config, itemsize=itemsize,
-                          num_vectors=num_vectors),
-        out_type=varying_struct(out_shape, logits.dtype, *operands, max_logit,
+                          num_vectors=num_vectors, write_through=into is not None),
+        out_type=varying_struct(*out_type, *operands, max_logit,
                                 *[c for c in coefs if c is not None]),
         scratch_types=[target_smem(wide=False),
                        plgpu.SMEM((num_vectors, _ROWS), jnp.float32),
@@ -768,4 +825,6 @@ def _backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
         interpret=_interpret_params() if config.interpret else False,
     )
     dlogits = kernel(*operands)
+    if into is not None:
+        return dlogits[:num_tokens]
     return dlogits[:num_tokens, :num_vocab] if config.interpret else dlogits

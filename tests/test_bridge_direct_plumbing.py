@@ -208,41 +208,39 @@ class _CudaFlag:
 
 
 def test_which_calls_take_the_direct_route(monkeypatch):
-    """`_direct.applies`: "pallas" (the CUDA default) and "pallas_mosaic" on one shard in
-    eager mode, where the kernels take the shape; "pallas_triton" named explicitly, a
-    group of several ranks, the torch.compile route (which needs the statistics) and
-    shapes the kernels refuse go through JAX. (`_ready()`, the sm_90+ Mosaic GPU check,
-    is faked here.)"""
+    """`_direct.applies`: calls whose kernels are the Mosaic ones ("pallas" where the
+    policy picks them, or "pallas_mosaic" named) on one shard in eager mode, where the
+    kernels take the shape; the Triton kernels, a group of several ranks, the
+    torch.compile route (which needs the statistics) and shapes the kernels refuse go
+    through JAX. (`_ready()`, the sm_90+ Mosaic GPU check, is faked here.)"""
     from types import SimpleNamespace as NS
 
     monkeypatch.setattr(_direct, "_ready", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
 
-    def plan(implementation, auto, num_vocab=18992, masked=False, cuda=True):
+    def plan(implementation, num_vocab=151936, masked=False, cuda=True):
         logits = NS(device=NS(index=0), element_size=lambda: 2)
-        return NS(dev=NS(cuda=cuda), implementation=implementation, auto=auto, config=None,
+        return NS(dev=NS(cuda=cuda), implementation=implementation, config=None,
                   logits=logits, num_vocab=num_vocab, mask=object() if masked else None)
 
-    assert _direct.applies(plan("pallas_triton", True), 1, False)  # "pallas", small V_loc
-    assert _direct.applies(plan("pallas_mosaic", True, masked=True), 1, False)
-    assert _direct.applies(plan("pallas_mosaic", False), 1, False)  # named
-    assert not _direct.applies(plan("pallas_triton", False), 1, False)  # named
-    assert not _direct.applies(plan("pallas_triton", True), 2, False)
-    assert not _direct.applies(plan("pallas_triton", True), 1, True)
-    assert not _direct.applies(plan("pallas_triton", True, num_vocab=1001), 1, False)
-    assert not _direct.applies(plan("xla", False, cuda=False), 1, False)
-    # On CPU "pallas" is no request for the direct route.
-    x, y = torch.randn(3, 64), torch.randint(0, 64, (3,))
-    assert not _run.Plan(x, y, None, None).auto
-    assert not _run.Plan(x, y, None, "pallas").auto
+    assert _direct.applies(plan("pallas_mosaic"), 1, False)
+    assert _direct.applies(plan("pallas_mosaic", masked=True), 1, False)
+    assert _direct.applies(plan("pallas_mosaic", num_vocab=18992), 1, False)
+    # The policy's Triton pick (V_loc < 65,536, older GPUs) keeps its own kernels.
+    assert not _direct.applies(plan("pallas_triton", num_vocab=18992), 1, False)
+    assert not _direct.applies(plan("pallas_mosaic"), 2, False)
+    assert not _direct.applies(plan("pallas_mosaic"), 1, True)
+    assert not _direct.applies(plan("pallas_mosaic", num_vocab=1001), 1, False)
+    assert not _direct.applies(plan("xla", cuda=False), 1, False)
 
 
-def test_pallas_through_jax_runs_the_triton_kernels(monkeypatch):
-    """Where "pallas" leaves the direct route (several ranks, torch.compile), the bridge
-    runs the Triton kernels even where the JAX op would pick Mosaic (V_loc >= 65,536 on
-    Hopper, faked here): their backward writes into torch's gradient (one memory pool).
-    A named "pallas_mosaic" keeps the Mosaic kernels (and a bool mask as bytes)."""
-    from jaxops import implementations
+def test_pallas_runs_the_policys_kernels_on_every_route(monkeypatch):
+    """The bridge's "pallas" is jaxops' policy (`implementations.for_call`), whatever the
+    route: where the JAX op would pick Mosaic (V_loc >= 65,536 on Hopper, faked here) the
+    route through JAX (several ranks, torch.compile) runs Mosaic too, a bool mask handed
+    over as its bytes; the Mosaic backward writes into torch's gradient as the Triton one
+    does (`can_write_into`). A named "pallas_triton" keeps the Triton kernels."""
+    from jaxops import implementations, pallas_mosaic
 
     real_for_call = implementations.for_call
 
@@ -257,8 +255,8 @@ def test_pallas_through_jax_runs_the_triton_kernels(monkeypatch):
     x, y = torch.randn(3, 64), torch.randint(0, 64, (3,))
     mask = torch.rand(3, 64) < 0.5
     plan = _run.Plan(x, y, mask, None)
-    assert plan.auto and plan.implementation == "pallas_triton"
-    assert not isinstance(plan.config, MosaicConfig) and plan.mask.dtype == torch.bool
-    named = _run.Plan(x, y, mask, "pallas_mosaic")
-    assert not named.auto and named.implementation == "pallas_mosaic"
-    assert named.mask.dtype == torch.uint8
+    assert plan.implementation == "pallas_mosaic" and isinstance(plan.config, MosaicConfig)
+    assert plan.mask.dtype == torch.uint8
+    assert hasattr(pallas_mosaic, "can_write_into")
+    named = _run.Plan(x, y, mask, "pallas_triton")
+    assert named.implementation == "pallas_triton" and named.mask.dtype == torch.bool

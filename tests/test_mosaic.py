@@ -269,7 +269,7 @@ def test_implementation_names():
     (implementations.MOSAIC_MIN_VOCAB, 2, None, (9, 0), True, "pallas_mosaic"),
     (implementations.MOSAIC_MIN_VOCAB - 16, 2, None, (9, 0), True, "pallas_triton"),
     (18992, 2, None, (9, 0), True, "pallas_triton"),  # V_loc of TP = 8: Triton measured faster
-    (151936, 2, np.bool_, (9, 0), True, "pallas_triton"),  # bool: a conversion pass (test_mask_view)
+    (151936, 2, np.bool_, (9, 0), True, "pallas_mosaic"),  # bool: read in place (test_mask_view)
     (151936, 2, None, (8, 0), True, "pallas_triton"),  # Ampere: no Mosaic GPU
     (151936, 2, None, None, True, "pallas_triton"),  # no GPU found
     (151936, 2, None, (9, 0), False, "pallas_triton"),  # a JAX without the pieces
@@ -282,14 +282,13 @@ def test_which_backend_pallas_means(num_vocab, itemsize, mask_dtype, capability,
                                           usable) == want
 
 
-@pytest.mark.parametrize("num_tokens, want", [
-    (None, "pallas_mosaic"), (1, "pallas_mosaic"), (7, "pallas_mosaic"), (8, "pallas_mosaic"),
-    (8192, "pallas_mosaic"), (9, "pallas_triton"), (1023, "pallas_triton"),
-    (8191, "pallas_triton"),  # T > 8, not a multiple of 8: untiled Mosaic tiles, slower
-])
-def test_which_backend_pallas_means_by_tokens(num_tokens, want):
-    assert implementations.pallas_backend(151936, 2, None, (9, 0), True,
-                                          num_tokens=num_tokens) == want
+def test_which_backend_pallas_means_is_not_a_function_of_t():
+    """The default's pick cannot depend on the batch (batch invariance): the policy
+    takes no T."""
+    import inspect
+
+    for fn in (implementations.pallas_backend, implementations.for_call):
+        assert not {"num_tokens", "T"} & set(inspect.signature(fn).parameters)
 
 
 def test_pallas_is_made_concrete_per_call(monkeypatch):
@@ -309,6 +308,8 @@ def test_pallas_is_made_concrete_per_call(monkeypatch):
         assert for_call("pallas", gpu_triton, None, mask_dtype=None, **shape) == (
             "pallas_mosaic", MosaicConfig())
         assert for_call("pallas", gpu_triton, None, mask_dtype=jnp.bool_, **shape) == (
+            "pallas_mosaic", MosaicConfig())
+        assert for_call("pallas", gpu_triton, None, mask_dtype=jnp.float32, **shape) == (
             "pallas_triton", gpu_triton)
         assert for_call("pallas", gpu_triton, None, mask_dtype=None, **{
             **shape, "num_vocab": 18992}) == ("pallas_triton", gpu_triton)
@@ -341,11 +342,16 @@ def _lower_for_cuda(num_tokens, num_vocab, dtype, masked, with_entropy):
     def bwd(x, t, m, mx, mm, c):
         return pallas_mosaic.backward_logits(x, t, m, mx, mm, c, inv_tau=1 / 0.7)
 
+    def bwd_into(x, t, m, mx, mm, c, into):
+        return pallas_mosaic.backward_logits(x, t, m, mx, mm, c, inv_tau=1 / 0.7, into=into)
+
     coefs = BackwardCoefs(row, row if with_entropy else None, row, row if masked else None)
     texts = [
         jax.jit(fwd).trace(logits, targets, mask).lower(lowering_platforms=("cuda",)).as_text(),
         jax.jit(bwd).trace(logits, targets, mask, row, row if masked else None, coefs)
         .lower(lowering_platforms=("cuda",)).as_text(),
+        jax.jit(bwd_into).trace(logits, targets, mask, row, row if masked else None, coefs,
+                                logits).lower(lowering_platforms=("cuda",)).as_text(),
     ]
     for text in texts:
         assert "mosaic_gpu" in text  # the kernel, not the XLA fallback
@@ -437,6 +443,34 @@ def test_gpu_matches_xla(num_tokens, num_vocab, dtype, masked):
     grad_xla = jax.jit(lambda *a: xla.backward_logits(*a, inv_tau=inv_tau))(
         logits, targets, mask, want.max_logit, want.masked_max, coefs)
     assert_grad_close(grad, grad_xla, dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("num_tokens", [1, 7, 1001, 8192])
+def test_gpu_write_through_matches_the_allocated_gradient(num_tokens, dtype, masked):
+    """`backward_logits(into=buffer)` stores into the caller's buffer exactly the bits the
+    allocating call returns (every element: the buffer starts as NaNs), and returns a [T]
+    token."""
+    logits, targets, mask = _inputs(5, num_tokens, 151936, dtype, "mixed" if masked else None)
+    targets = targets.astype(jnp.int32)
+    keys = jax.random.split(jax.random.key(4), 4)
+    coefs = BackwardCoefs(*[jax.random.normal(k, (num_tokens,), jnp.float32) for k in keys])
+    if not masked:
+        coefs = coefs._replace(coef_masked=None)
+    stats = jax.jit(lambda x, t, m: pallas_mosaic.forward_stats(
+        x, t, m, inv_tau=1.25, with_entropy=True))(logits, targets, mask)
+    args = (logits, targets, mask, stats.max_logit, stats.masked_max, coefs)
+    want = jax.jit(lambda *a: pallas_mosaic.backward_logits(*a, inv_tau=1.25))(*args)
+    buffer = jnp.full(logits.shape, jnp.nan, dtype)
+    assert pallas_mosaic.can_write_into(logits, mask, MosaicConfig())
+    token = jax.jit(lambda *a, into: pallas_mosaic.backward_logits(
+        *a, inv_tau=1.25, into=into))(*args, into=buffer)
+    assert token.shape == (num_tokens,) and token.dtype == jnp.float32
+    token.block_until_ready()
+    np.testing.assert_array_equal(np.asarray(buffer).view(np.uint8),
+                                  np.asarray(want).view(np.uint8))
 
 
 @pytest.mark.gpu

@@ -187,6 +187,7 @@ def test_gpu_default_is_batch_invariant_without_entropy(masked):
                   masked, False, BATCHES, rows=(0, 4097, max(BATCHES) - 1))
 
 
+@pytest.mark.gpu
 def test_gpu_torch_compile_runs_the_same_bits():
     """One real `torch.compile` call against the custom op run eagerly (the test above)."""
     if not (torch.cuda.is_available() and jax.default_backend() == "gpu"):

@@ -30,6 +30,7 @@ import numpy as np
 import jaxops
 
 TIMING_REPEATS = 5
+CPU_TIMING_REPEATS = 2  # interpret-mode Pallas takes seconds per call; CPU timings are a sketch
 GPU_TOKENS, GPU_VOCAB = 8192, 151_936
 CPU_TOKENS, CPU_VOCAB = 128, 32_000
 
@@ -172,9 +173,10 @@ def make_inputs(num_tokens, num_vocab, seed=0):
     return logits32, targets, keep_mask, cot_lp, cot_h
 
 
-def _timed(fn, *args, warm=False, **kwargs):
-    """Median wall time in ms of TIMING_REPEATS calls (one more first unless already `warm`)."""
-    repeats = TIMING_REPEATS
+def _timed(fn, *args, warm=False, repeats=None, **kwargs):
+    """Median wall time in ms of `repeats` (default TIMING_REPEATS) calls (one more first
+    unless already `warm`)."""
+    repeats = repeats or TIMING_REPEATS
     if not warm:
         jax.block_until_ready(fn(*args, **kwargs))  # compile and warm up
     times = []
@@ -203,6 +205,7 @@ def main(argv=None):
     num_vocab, tau = args.vocab, args.temperature
     free = free_device_bytes() if on_gpu else None
     num_tokens, reference_rows = plan(num_vocab, free, tokens=args.tokens, on_gpu=on_gpu)
+    repeats = TIMING_REPEATS if on_gpu else min(TIMING_REPEATS, CPU_TIMING_REPEATS)
 
     print(f"jax {jax.__version__} on {jax.devices()[0].platform}; T = {num_tokens}, "
           f"V = {num_vocab}, temperature = {tau}"
@@ -238,9 +241,9 @@ def main(argv=None):
             options = dict(implementation=impl, temperature=tau)
             grad, (log_prob, entropy) = forward_backward(logits, targets, mask, cot_lp, cot_h,
                                                          **options)
-            fwd_ms = _timed(forward, logits, targets, mask, **options)
+            fwd_ms = _timed(forward, logits, targets, mask, repeats=repeats, **options)
             fwd_bwd_ms = _timed(forward_backward, logits, targets, mask, cot_lp, cot_h,
-                                warm=True, **options)
+                                warm=True, repeats=repeats, **options)
             results.append(((dtype_name, masked, impl, fwd_ms, fwd_bwd_ms),
                             (log_prob, entropy, grad)))
             del grad, log_prob, entropy, logits
@@ -255,7 +258,7 @@ def main(argv=None):
         print(" | ".join(f"{v:>12s}" if isinstance(v, str) else f"{v:12.3g}" for v in row))
     print("\nErrors are against the float64 reference on the same input values; gradients in "
           "the logits' dtype\n(bf16 gradients carry one bf16 rounding, ~4e-3). Timings: median "
-          f"of {TIMING_REPEATS} jitted calls"
+          f"of {repeats} jitted calls"
           + ("." if on_gpu else " (CPU; interpret-mode Pallas is slow by design)."))
 
 

@@ -4,18 +4,21 @@
 
 A PPO-style loop (`--calls` forward+backward calls of `bridge.logprob_entropy`, T uniform
 in [1, --max-tokens], fixed seed; entropy with its gradient) runs in a fresh Python
-process three times, each with its own `JAXOPS_CACHE_DIR` (docs/compilation.md):
+process three times, with `JAXOPS_CACHE_DIR` (docs/compilation.md) in a temporary folder:
   cold    an empty persistent cache: every window size is compiled as the loop meets it;
-  warm    the same directory again, as a restarted run: programs come from the cache;
-  warmup  an empty cache, `bridge.warmup(max_tokens, ...)` first, then the loop.
-For each: process wall time, import time, the loop's wall time (the first pass, device-
-synchronised after every call), programs compiled (`bridge.compiled_programs()`), JAX's
-compile-time events and cache hits/misses, and every call's (T, seconds, new programs),
-from which "one new window" = the median time of a call after the first that added
-programs (its first call at a new window size).
+  warm    the same folder again, as a restarted run: programs come from the cache;
+  warmup  another empty folder, `bridge.warmup(max_tokens, ...)` first, then the loop;
+  warmup_warm  the same again with that folder: the warm-up loads every program.
+For each: process wall time, import time, the loop's time (the first pass: the sum of
+the calls' times, each device-synchronised), programs compiled
+(`bridge.compiled_programs()`), JAX's compile-time events and cache hits/misses, every
+call's (T, seconds, new programs) -- "one new window" is the median time of a call after
+the first that added programs (its first call at a new window size) -- and a digest of
+every call's results (taken outside the timing): the three runs must agree bit for bit.
 
 --device cpu: V_loc = 64, float32 (the XLA route). --device gpu: V_loc = 18,992, bf16 on
-the current CUDA device (the default "pallas": the direct route on Hopper). Results:
+the current CUDA device, the default implementation (`--implementation pallas_mosaic`
+asks for the Mosaic kernels, launched directly from torch on Hopper). Results:
 JSON at --out (default benchmarks/results/compile_cache_<device>.json; a directory gets
 that file name), and a summary on stdout.
 """
@@ -23,6 +26,7 @@ if __name__ == "__main__" and not __package__:  # run by path: see benchmarks/__
     import os, sys  # noqa: E401
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import argparse  # noqa: E402
+import hashlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import platform  # noqa: E402
@@ -67,9 +71,11 @@ def child(args) -> dict:
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(args.seed)
     seq = torch.randint(1, args.max_tokens + 1, (args.calls,), generator=gen).tolist()
-    big = (torch.randn(args.max_tokens, args.vocab, generator=gen) * 3).to(dev, dtype)
-    targets = torch.randint(0, args.vocab, (args.max_tokens,), generator=gen).to(dev)
-    cot = torch.randn(args.max_tokens, generator=gen).to(dev)
+    on_dev = torch.Generator(device=dev).manual_seed(args.seed)  # [T, V] made in place
+    big = torch.randn(args.max_tokens, args.vocab, generator=on_dev, device=dev) * 3
+    big = big.to(dtype)
+    targets = torch.randint(0, args.vocab, (args.max_tokens,), generator=on_dev, device=dev)
+    cot = torch.randn(args.max_tokens, generator=on_dev, device=dev)
     out = {"mode": args.child, "import_s": imported}
     if args.child == "warmup":
         report = bridge.warmup(args.max_tokens, args.vocab, dtype=dtype, device=dev,
@@ -77,15 +83,23 @@ def child(args) -> dict:
         out["warmup"] = {"programs": report.programs, "seconds": report.seconds,
                          "windows": list(report.windows)}
     calls = []
-    loop_start = time.perf_counter()
+    digest = hashlib.sha256()  # of every call's results: runs must agree bit for bit
+    loop_s = 0.0
     for T in seq:
         before, t0 = bridge.compiled_programs(), time.perf_counter()
         x = big[:T].detach().requires_grad_()  # a zero-copy row slice of torch's memory
         lp, h = bridge.logprob_entropy(x, targets[:T], implementation=args.implementation)
-        torch.autograd.grad([lp, h], [x], [cot[:T], cot[:T]])
+        (grad,) = torch.autograd.grad([lp, h], [x], [cot[:T], cot[:T]])
         sync()
-        calls.append([T, time.perf_counter() - t0, bridge.compiled_programs() - before])
-    out["loop_s"] = time.perf_counter() - loop_start
+        seconds = time.perf_counter() - t0
+        loop_s += seconds
+        calls.append([T, seconds, bridge.compiled_programs() - before])
+        # (outside the timing) log_prob and entropy, and the gradient's bits summed exactly
+        bits = grad.view(torch.int16 if grad.element_size() == 2 else torch.int32)
+        for t in (lp, h, bits.sum(dtype=torch.int64)):
+            digest.update(t.detach().cpu().numpy().tobytes())
+    out["loop_s"] = loop_s
+    out["digest"] = digest.hexdigest()
     out["loop_programs"] = sum(c[2] for c in calls)
     out["programs"] = bridge.compiled_programs()
     out["compile_events_s"] = {e.rsplit("/", 1)[-1]: round(s, 4) for e, s in durations.items()}
@@ -141,20 +155,20 @@ def _steady_s(run) -> float | None:
 
 
 def summary(res) -> str:
-    cold, warm, wu = res["runs"]["cold"], res["runs"]["warm"], res["runs"]["warmup"]
     lines = [f"compile_cache on {res['device_name']} (V_loc {res['vocab']}, {res['dtype']}, "
              f"{res['calls']} calls, T in [1, {res['max_tokens']}]):"]
-    for name, r in (("cold", cold), ("warm", warm), ("warmup", wu)):
+    for name, r in res["runs"].items():
         extra = (f", warm-up {r['warmup']['seconds']:.2f} s for {r['warmup']['programs']} "
                  f"programs" if "warmup" in r else "")
         first = r["calls"][0][1]
         nw = _new_window_s(r)
         lines.append(
-            f"  {name:<6} process {r['wall_s']:6.2f} s, loop {r['loop_s']:6.2f} s "
+            f"  {name:<11} process {r['wall_s']:6.2f} s, loop {r['loop_s']:6.2f} s "
             f"(first call {first:.2f} s, new window {'-' if nw is None else f'{nw:.3f} s'}, "
             f"steady {1e3 * (_steady_s(r) or 0):.2f} ms), {r['loop_programs']} programs in "
             f"the loop{extra}; cache {r['cache_events']}")
-    lines.append(f"  warm/cold: loop {res['ratio_loop']:.2f}, process {res['ratio_process']:.2f}")
+    lines.append(f"  warm/cold: loop {res['ratio_loop']:.2f}, process {res['ratio_process']:.2f}; "
+                 f"results bit-identical in all runs: {res['identical']}")
     return "\n".join(lines)
 
 
@@ -182,10 +196,11 @@ def main(argv=None):
     tmp = tempfile.mkdtemp(prefix="jaxops-compile-cache-")
     try:
         runs = {}
-        for mode, folder in (("cold", "a"), ("warm", "a"), ("warmup", "b")):
-            runs[mode] = _run_child(args, mode, os.path.join(tmp, folder))
-            print(f"[compile_cache] {mode}: loop {runs[mode]['loop_s']:.2f} s, "
-                  f"process {runs[mode]['wall_s']:.2f} s", file=sys.stderr, flush=True)
+        for label, mode, folder in (("cold", "cold", "a"), ("warm", "warm", "a"),
+                                    ("warmup", "warmup", "b"), ("warmup_warm", "warmup", "b")):
+            runs[label] = _run_child(args, mode, os.path.join(tmp, folder))
+            print(f"[compile_cache] {label}: loop {runs[label]['loop_s']:.2f} s, "
+                  f"process {runs[label]['wall_s']:.2f} s", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     device_name = (torch.cuda.get_device_name() if args.device == "gpu"
@@ -198,6 +213,7 @@ def main(argv=None):
            "runs": runs,
            "ratio_loop": runs["warm"]["loop_s"] / runs["cold"]["loop_s"],
            "ratio_process": runs["warm"]["wall_s"] / runs["cold"]["wall_s"],
+           "identical": len({r["digest"] for r in runs.values()}) == 1,
            "new_window_s": {m: _new_window_s(r) for m, r in runs.items()}}
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
                                    f"compile_cache_{args.device}.json")

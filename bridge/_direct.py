@@ -12,15 +12,14 @@ from torch's caching allocator:
               both where the vocabulary is one chunk (V_loc up to ~4-6K)
     backward  torch allocates d logits; per window one kernel stores its rows into it
 
-Taken when (`applies`): CUDA, implementation "pallas" (the default) or "pallas_mosaic",
-one vocabulary shard (no process group, or a group of one), the eager autograd route,
-the logits on the current CUDA device, a GPU Mosaic GPU compiles for (sm_90+) and a
-shape the kernels take (`mosaic_direct.supported`); everything else goes through JAX
-(`_run.py`). For "pallas" this holds even where the JAX op would pick the Triton
-kernels (V_loc below `implementations.MOSAIC_MIN_VOCAB`): without JAX's per-call host
-cost the direct route was faster on the H200 at every size measured up to T = 16,384
-(V_loc 18,992 and 37,984, bf16/fp32, with and without a mask) and within 5% of the JAX
-route at T = 32,768 (docs/performance.md, "The bridge: host cost and the direct route").
+Taken when (`applies`): CUDA, the Mosaic kernels ("pallas" where jaxops' policy picks
+them, or "pallas_mosaic" named), one vocabulary shard (no process group, or a group of
+one), the eager autograd route, the logits on the current CUDA device, a GPU Mosaic GPU
+compiles for (sm_90+) and a shape the kernels take (`mosaic_direct.supported`);
+everything else goes through JAX (`_run.py`). Without JAX's per-call host cost the
+direct route was faster on the H200 at every size measured up to T = 16,384 (V_loc
+18,992 and 37,984, bf16/fp32, with and without a mask) and within 5% of the JAX route at
+T = 32,768 (docs/performance.md, "The bridge: host cost and the direct route").
 Work on another stream than the default is fenced with stream waits (no host sync).
 
 The launcher (`_Launcher`) is built from the two pieces `plgpu.as_torch_kernel` is

@@ -338,7 +338,7 @@ def logprob_entropy(
         kernels from torch without JAX's runtime (`bridge/_direct.py`): on the H200 2-3x
         less time per call than through JAX up to T = 8192 and as fast at T = 32,768.
         "pallas" runs the kernels jaxops' policy picks for V_loc, dtype and mask on
-        every route (Mosaic at V_loc >= 65,536 on Hopper, else Triton); through JAX
+        every route (Mosaic on Hopper where TMA tiles V_loc, else Triton); through JAX
         either backward writes the gradient into torch's memory.
       check_targets: opt-in checks that cost a host sync per call: raise ValueError for
         targets outside the vocabulary (`bridge.check_targets`) and, with a process

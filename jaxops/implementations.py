@@ -1,8 +1,8 @@
 """The implementations of the op, by name, and the one policy for choosing and configuring one.
 
-  "pallas"     Pallas kernels: per call, the backend measured faster for the call's
-               shapes on this GPU (`for_call`, `pallas_backend`); off-GPU (interpret
-               mode) the Triton kernels.
+  "pallas"     Pallas kernels: the Mosaic GPU ones on Hopper and newer wherever their
+               TMA tiles take V_loc, else the Triton ones (`for_call`, `pallas_backend`:
+               never a function of T); off-GPU (interpret mode) the Triton kernels.
   "pallas_triton"  Pallas kernels lowered through Triton (`pallas_gpu.py`): compiled for
                the GPU, run in interpret mode elsewhere (slow; for tests).
   "pallas_mosaic"  Pallas kernels lowered through Mosaic GPU (`pallas_mosaic.py`, Hopper
@@ -31,13 +31,12 @@ _KERNEL_MODULES = {"pallas": "jaxops.pallas_gpu", "pallas_triton": "jaxops.palla
 _PALLAS = ("pallas", "pallas_triton", "pallas_mosaic")
 _GPU_PLATFORMS = ("gpu", "cuda")
 
-# From this vocabulary shard width on, "pallas" means the Mosaic GPU kernels (Hopper and
-# newer), below it the Triton ones. H200, jax 0.11.2, T = 8192, bf16/fp32 x entropy on/off,
-# forward and forward+backward, through the public op (docs/performance.md, "Which
-# backend 'pallas' means"): Mosaic faster in all 8 timings at V_loc = 75,968 and at
-# 151,936, Triton faster in 7 of 8 at 18,992; at 37,984 within 5% of each other, either
-# way. At V = 151,936 Mosaic was also faster for T = 512 to 32,768.
-MOSAIC_MIN_VOCAB = 65536
+# The fused head's chunk scan reads fp32 logits chunks `[T, chunk]`; for chunks narrower
+# than this "pallas" keeps the Triton kernels there (docs/performance.md, "Which backend
+# 'pallas' means": on the H200, at V_loc = 18,992 the Triton kernels were faster in 7 of
+# 8 timings, at 75,968 and wider Mosaic in all 8). The op itself runs Mosaic at every
+# V_loc on Hopper: one kernel family, the same kernels on every entry point and route.
+FUSED_CHUNK_MOSAIC_MIN_VOCAB = 65536
 
 
 def is_pallas(implementation: str | None) -> bool:
@@ -92,16 +91,16 @@ def mosaic_available() -> bool:
 
 
 def pallas_backend(num_vocab: int, itemsize: int, mask_dtype, capability,
-                   mosaic_usable: bool = True) -> str:
+                   mosaic_usable: bool = True, min_mosaic_vocab: int = 0) -> str:
     """The Pallas backend "pallas" means for one call on a GPU: "pallas_mosaic" or
     "pallas_triton".
 
     `num_vocab`: V_loc; `itemsize`: the logits' bytes per element; `mask_dtype`: None,
     or the dtype of the keep mask; `capability`: the GPU's compute capability (major,
-    minor), None if unknown. Mosaic where it runs (sm_90+, a JAX with its pieces, a V_loc
-    its TMA tiles take) and was measured faster: V_loc >= MOSAIC_MIN_VOCAB, the mask, if
-    any, of one byte per element (bool, read in place through `_mask_view`, or
-    uint8/int8).
+    minor), None if unknown. Mosaic wherever it runs: sm_90+, a JAX with its pieces, a
+    V_loc its TMA tiles take (`mosaic_supported`: a function of V_loc and dtype) and a
+    mask, if any, of one byte per element (bool, read in place through `_mask_view`, or
+    uint8/int8); at least `min_mosaic_vocab` columns (the fused head's chunks).
 
     Never a function of T: the choice is the same for every batch a row can be in, so
     the default is bitwise batch invariant (each backend is on its own). T > 8 not a
@@ -118,15 +117,15 @@ def pallas_backend(num_vocab: int, itemsize: int, mask_dtype, capability,
         return "pallas_triton"
     if not mosaic_supported(num_vocab, itemsize, mask_dtype is not None):
         return "pallas_triton"
-    return "pallas_mosaic" if num_vocab >= MOSAIC_MIN_VOCAB else "pallas_triton"
+    return "pallas_mosaic" if num_vocab >= min_mosaic_vocab else "pallas_triton"
 
 
 def for_call(name: str, config, pallas_config=None, *, num_vocab: int, itemsize: int,
-             mask_dtype, platform: str | None = None):
+             mask_dtype, platform: str | None = None, min_mosaic_vocab: int = 0):
     """(name, config) from `resolve`, made concrete for one call: "pallas" becomes
     "pallas_mosaic" or "pallas_triton" (`pallas_backend` on this process's first GPU);
-    the other names pass through. `num_vocab`, `itemsize`, `mask_dtype`: as for
-    `pallas_backend`. `pallas_config` is what the caller passed to
+    the other names pass through. `num_vocab`, `itemsize`, `mask_dtype`,
+    `min_mosaic_vocab`: as for `pallas_backend`. `pallas_config` is what the caller passed to
     `resolve`: a `MosaicConfig` picks Mosaic, non-default `PallasConfig` parameters
     pick Triton (they tune its kernels). Off-GPU (interpret mode) "pallas" stays the
     Triton kernels."""
@@ -140,7 +139,8 @@ def for_call(name: str, config, pallas_config=None, *, num_vocab: int, itemsize:
     else:
         found = _first_gpu_capability()
         backend = pallas_backend(num_vocab, itemsize, mask_dtype,
-                                 None if found is None else found[1], _mosaic_usable())
+                                 None if found is None else found[1], _mosaic_usable(),
+                                 min_mosaic_vocab)
     if backend == "pallas_triton":
         return backend, config
     return resolve(backend, platform, pallas_config)

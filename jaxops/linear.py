@@ -476,7 +476,8 @@ def linear_logprob_entropy(
     # bool (below), whatever its dtype here: "pallas" picks its backend for those.
     impl, config = implementations.for_call(
         impl, config, pallas_config, num_vocab=chunk, itemsize=4,
-        mask_dtype=None if keep_mask is None else jnp.bool_)
+        mask_dtype=None if keep_mask is None else jnp.bool_,
+        min_mosaic_vocab=implementations.FUSED_CHUNK_MOSAIC_MIN_VOCAB)
     if num_tokens == 0:
         empty = jnp.zeros(lead_shape, jnp.promote_types(hidden.dtype, jnp.float32))
         return empty, (empty if with_entropy else None)

@@ -226,7 +226,7 @@ def test_which_calls_take_the_direct_route(monkeypatch):
     assert _direct.applies(plan("pallas_mosaic"), 1, False)
     assert _direct.applies(plan("pallas_mosaic", masked=True), 1, False)
     assert _direct.applies(plan("pallas_mosaic", num_vocab=18992), 1, False)
-    # The policy's Triton pick (V_loc < 65,536, older GPUs) keeps its own kernels.
+    # The policy's Triton pick (older GPUs, a V_loc TMA cannot tile) keeps its kernels.
     assert not _direct.applies(plan("pallas_triton", num_vocab=18992), 1, False)
     assert not _direct.applies(plan("pallas_mosaic"), 2, False)
     assert not _direct.applies(plan("pallas_mosaic"), 1, True)
@@ -236,7 +236,7 @@ def test_which_calls_take_the_direct_route(monkeypatch):
 
 def test_pallas_runs_the_policys_kernels_on_every_route(monkeypatch):
     """The bridge's "pallas" is jaxops' policy (`implementations.for_call`), whatever the
-    route: where the JAX op would pick Mosaic (V_loc >= 65,536 on Hopper, faked here) the
+    route: where the JAX op picks Mosaic (Hopper, faked here) the
     route through JAX (several ranks, torch.compile) runs Mosaic too, a bool mask handed
     over as its bytes; the Mosaic backward writes into torch's gradient as the Triton one
     does (`can_write_into`). A named "pallas_triton" keeps the Triton kernels."""

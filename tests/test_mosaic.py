@@ -266,9 +266,9 @@ def test_implementation_names():
     (151936, 4, np.uint8, (9, 0), True, "pallas_mosaic"),
     (151936, 2, np.int8, (10, 0), True, "pallas_mosaic"),
     (75968, 2, None, (9, 0), True, "pallas_mosaic"),
-    (implementations.MOSAIC_MIN_VOCAB, 2, None, (9, 0), True, "pallas_mosaic"),
-    (implementations.MOSAIC_MIN_VOCAB - 16, 2, None, (9, 0), True, "pallas_triton"),
-    (18992, 2, None, (9, 0), True, "pallas_triton"),  # V_loc of TP = 8: Triton measured faster
+    (65536 - 16, 2, None, (9, 0), True, "pallas_mosaic"),
+    (18992, 2, None, (9, 0), True, "pallas_mosaic"),  # V_loc of TP = 8
+    (1024, 4, np.bool_, (9, 0), True, "pallas_mosaic"),
     (151936, 2, np.bool_, (9, 0), True, "pallas_mosaic"),  # bool: read in place (test_mask_view)
     (151936, 2, None, (8, 0), True, "pallas_triton"),  # Ampere: no Mosaic GPU
     (151936, 2, None, None, True, "pallas_triton"),  # no GPU found
@@ -280,6 +280,14 @@ def test_implementation_names():
 def test_which_backend_pallas_means(num_vocab, itemsize, mask_dtype, capability, usable, want):
     assert implementations.pallas_backend(num_vocab, itemsize, mask_dtype, capability,
                                           usable) == want
+
+
+def test_the_fused_heads_narrow_chunks_keep_triton():
+    minimum = implementations.FUSED_CHUNK_MOSAIC_MIN_VOCAB
+    assert implementations.pallas_backend(minimum - 8, 4, None, (9, 0), True,
+                                          min_mosaic_vocab=minimum) == "pallas_triton"
+    assert implementations.pallas_backend(minimum, 4, None, (9, 0), True,
+                                          min_mosaic_vocab=minimum) == "pallas_mosaic"
 
 
 def test_which_backend_pallas_means_is_not_a_function_of_t():
@@ -312,7 +320,9 @@ def test_pallas_is_made_concrete_per_call(monkeypatch):
         assert for_call("pallas", gpu_triton, None, mask_dtype=jnp.float32, **shape) == (
             "pallas_triton", gpu_triton)
         assert for_call("pallas", gpu_triton, None, mask_dtype=None, **{
-            **shape, "num_vocab": 18992}) == ("pallas_triton", gpu_triton)
+            **shape, "num_vocab": 18992}) == ("pallas_mosaic", MosaicConfig())
+        assert for_call("pallas", gpu_triton, None, mask_dtype=None, **{
+            **shape, "num_vocab": 18992 + 8}) == ("pallas_triton", gpu_triton)
         tuned = PallasConfig(block_v=1024)
         assert for_call("pallas", tuned, tuned, mask_dtype=None, **shape) == (
             "pallas_triton", tuned)

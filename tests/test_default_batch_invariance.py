@@ -214,9 +214,12 @@ def test_gpu_torch_compile_runs_the_same_bits():
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
 def test_default_entry_points_agree_interpret(masked):
     """Every entry point's wrappers hand a row to the kernels the same way (interpret
-    mode, "pallas" named: the CPU default is "xla")."""
+    mode, "pallas" named: the CPU default is "xla"). Not eager or vmapped `jaxops`: the
+    interpreter runs the kernel body as XLA operations (one by one outside jit, batched
+    under vmap), whose roundings (fused multiply-adds) are XLA's choice -- on the GPU
+    the kernels are compiled code either way, and the GPU test covers those entries."""
     cpu = torch.device("cpu")
-    entries = {kind: _jax_entry(kind, "pallas", True) for kind in ("jit", "eager", "vmap")}
+    entries = {"jit": _jax_entry("jit", "pallas", True)}
     entries["bridge"] = _torch_entry("bridge", "pallas", True, cpu)
 
     def custom_op(*args):

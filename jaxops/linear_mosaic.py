@@ -286,7 +286,7 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
         results = [s for s in stats if s is not None]
         rows = pl.ds(row_block * _ROWS, _ROWS)
         for smem, value in zip(smem_refs, results):
-            smem[...] = value
+            pm._write(smem, value, config)
         plgpu.commit_smem()
         for smem, out in zip(smem_refs, out_refs):
             plgpu.copy_smem_to_gmem(smem, out.at[chunk, rows])
@@ -371,6 +371,7 @@ def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoe
     shape = (_ROWS, block_n)
     mask_transforms, read_mask = pm._mask_reader(num_tokens, num_vocab, block_n, masked,
                                                  config)
+    grad_transforms = pm._transforms(num_tokens, num_vocab, out_dtype.itemsize, block_n)
 
     def kernel(h_ref, w_ref, t_ref, vectors_ref, *refs):
         refs = list(refs)
@@ -411,7 +412,8 @@ def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoe
             # wgmma loop to read it. Columns past V_loc (and rows past T) are clipped
             # by the store on the GPU; the interpreter gets a padded output instead.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            grad_smem[...] = grad.astype(out_dtype)
+            pm._write(grad_smem, grad.astype(out_dtype), config,
+                      tiled=bool(grad_transforms))
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(grad_smem, out_ref.at[rows, pl.ds(tile * block_n,
                                                                       block_n)])
@@ -429,8 +431,7 @@ def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoe
         kernel, out_type=varying_struct(out_shape, out_dtype, *operands, max_logit,
                                         *[c for c in coefs if c is not None]),
         scratch_types=[pm.target_smem(False), plgpu.SMEM((num_vectors, _ROWS), jnp.float32),
-                       plgpu.SMEM(shape, out_dtype, transforms=pm._transforms(
-                           num_tokens, num_vocab, out_dtype.itemsize, block_n)),
+                       plgpu.SMEM(shape, out_dtype, transforms=grad_transforms),
                        plgpu.Barrier(num_arrivals=2, num_barriers=1)] + mask_scratch,
         grid=(chunks, row_blocks), grid_names=("chunks", "rows"),
         compiler_params=pm._compiler_params(config),

@@ -282,7 +282,7 @@ def _finish_kernel(*refs, chunks, num_vocab, inv_tau, with_entropy, masked, conf
         one=pm._row_vector(1.0, jnp.float32, config))
     values = [log_prob] + ([entropy] if with_entropy else []) + [saved[n] for n in names]
     for smem, value in zip(out_smems, values):
-        smem[...] = value
+        pm._write(smem, value, config)
     plgpu.commit_smem()
     for smem, out in zip(out_smems, out_refs):
         plgpu.copy_smem_to_gmem(smem, out.at[rows])

@@ -32,6 +32,7 @@ from jaxops.linear import default_chunk_size
 from _linear_cases import check_linear, count_fused_calls, make_linear_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
+JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 
 
@@ -348,6 +349,10 @@ def test_fused_forward_row_groups_are_bitwise_one_launch(masked):
                                     interpret=True, row_group=100)
 
 
+@pytest.mark.xfail(JAX_VERSION >= (0, 12), strict=True, reason=(
+    "open (issue 39), pinned on jax 0.12.1 (passes on 0.10.2): in Mosaic GPU's 0.12 "
+    "interpreter the kernel's sum_exp of row 3 is 1.0003433 where float64 and the XLA "
+    "statistics give 1.0003223 (2.1e-5 relative); cause not found yet"))
 @pytest.mark.parametrize("mask_dtype,with_entropy,chunk_v", [
     (jnp.bool_, True, 2048), (jnp.uint8, False, 2048), (jnp.uint8, True, 512)])
 def test_fused_forward_with_mask_interpret(mask_dtype, with_entropy, chunk_v):

@@ -45,6 +45,7 @@ from _oracle import (  # the one float64 oracle and tolerance table (re-exported
 )
 
 ON_GPU = jax.default_backend() == "gpu"
+JAX_VERSION = tuple(int(part) for part in jax.__version__.split(".")[:2])
 IMPLEMENTATIONS = ("pallas", "xla", "reference")
 FAST = ("pallas", "xla")
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
@@ -514,8 +515,9 @@ def test_target_alone_far_below_the_maximum_has_zero_gradient(implementation, nu
 
 
 @pytest.mark.skipif(ON_GPU, reason="pins interpret-mode (CPU) arithmetic")
-@pytest.mark.xfail(strict=True, reason=(
-    "known, open (found fuzzing test_random_calls in session 19, present at session 18's "
+@pytest.mark.xfail(JAX_VERSION < (0, 11), strict=True, reason=(
+    "pinned on jax 0.10 (0.10.2; on 0.12.1 the CPU arithmetic passes): known, open "
+    "(found fuzzing test_random_calls in session 19, present at session 18's "
     "code too): at |x| ~ 91 (3x design §8's range) the Triton kernels' d = raw * "
     "(log2(e) / tau) - (max / tau) log2(e) rounds its two sides apart, so even at the "
     "row maximum d is ~|x| 2^-24, not 0 (seen on CPU: -7.6e-6 at |x| = 49), which the "

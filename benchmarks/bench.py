@@ -3,12 +3,15 @@
 
 One run, one device, every implementation side by side (docs/design.md §7, §8, issue 5):
 
-  jaxops-pallas_triton  this project's op, Pallas kernels lowered through Triton   (jax.jit)
-  jaxops-pallas_mosaic  the same through Mosaic GPU (Hopper)                       (jax.jit)
-  jaxops-pallas_mosaic-u8  the same, the keep mask handed over as uint8 (masked cases) (jax.jit)
-  jaxops-pallas   implementation="pallas": per call the backend measured faster for its
-                  shapes (jaxops.implementations.pallas_backend); run only when --filter
-                  names it (impl=jaxops-pallas), else it would time the same kernels twice
+  jaxops-pallas   this project's op as callers get it: implementation="pallas", the
+                  default (jaxops.implementations.pallas_backend: on Hopper the Mosaic GPU
+                  kernels for every V_loc TMA tiles, bool masks read in place; Triton
+                  before Hopper and for V_loc TMA cannot tile; never a function of T) (jax.jit)
+  jaxops-pallas_triton  the Pallas kernels lowered through Triton: the pre-Hopper path (jax.jit)
+  jaxops-pallas_mosaic  the Mosaic GPU kernels named explicitly; on Hopper the default's own
+                  kernels again, so --filter only (impl=jaxops-pallas_mosaic)     (jax.jit)
+  jaxops-pallas_mosaic-u8  the same, the keep mask handed over as uint8 (masked cases;
+                  --filter only)                                                   (jax.jit)
   jaxops-xla      this project's op, statistics in fused jnp   (jax.jit)
   bridge          the op called from PyTorch through `bridge.logprob_entropy`
   jax-jit         jax.jit(log_softmax + take + entropy), plain XLA
@@ -32,9 +35,10 @@ the JSON after every case (a timeout still leaves results).
 (`python benchmarks/bench.py ...` runs the same.) Modes: full (default on a GPU) = every
 combination at every size (256 cases; more than one 10-minute device call: split it with
 --filter and --append); --quick = every combination at T = 8192, V = 151,936, then fp32
-log-prob-only and bf16 with entropy at T = 32768, 1024 and V_loc (112 cases, both Pallas
-backends; ~6 min incl. compiles, and a --budget-s guard that starts no case after 450 s);
---tiny = CPU smoke run (each Pallas backend once, in interpret mode).
+log-prob-only and bf16 with entropy at T = 32768, 1024 and V_loc (112 cases: the default
+"pallas" and the Triton backend next to the anchors; ~6 min incl. compiles, and a
+--budget-s guard that starts no case after 450 s); --tiny = CPU smoke run (each Pallas
+row once, in interpret mode).
 The sizes run in priority order and the JSON is rewritten after every case, so a timeout
 still leaves every finished row. --budget-s S: no case starts once S seconds have passed
 (S = 0: none starts, every row says "skipped: time budget"); --budget-s none: no budget.
@@ -57,7 +61,7 @@ import sys
 import time
 
 from benchmarks import harness
-from benchmarks.cases import IMPLS, build_cases, parse_filters
+from benchmarks.cases import DEFAULT_PALLAS, IMPLS, build_cases, parse_filters
 from benchmarks.harness import HERE, write_json
 from benchmarks.results_json import RUN_KEYS, describe, keep_measured, merge_previous
 
@@ -69,8 +73,9 @@ def build_parser():
     parser = argparse.ArgumentParser(
         description=__doc__.splitlines()[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="Implementations: " + ", ".join(IMPLS) + " (jaxops-pallas, per call one of the "
-               "two Pallas backends, only when --filter impl= names it)")
+        epilog="Implementations: " + ", ".join(IMPLS) + " (jaxops-pallas is the default "
+               "\"pallas\"; jaxops-pallas_mosaic and jaxops-pallas_mosaic-u8 only when "
+               "--filter impl= matches them)")
     add = parser.add_argument
     add("--device-name", default=None,
         help="results name, e.g. h200 (default: from the GPU name, or 'cpu')")
@@ -103,8 +108,8 @@ def build_parser():
         help="MosaicConfig fields for jaxops-pallas_mosaic, e.g. block_v=256,num_stages=4,"
              "chunk_v=4096 (approx_math takes 0/1)")
     add("--bool-mask-view", action="store_true",
-        help="hand bool masks to the Mosaic kernels in place (jaxops._mask_view.ENABLED; "
-             "then jaxops-pallas sends bool masks to Mosaic too)")
+        help="set jaxops._mask_view.ENABLED (bool masks read in place by the Mosaic kernels; "
+             "already jaxops' default: kept for old command lines)")
     add("--bridge-kwargs", default="",
         help="extra keyword arguments for bridge.logprob_entropy, e.g. "
              "check_targets=False,implementation=pallas (default: none, as callers)")
@@ -182,6 +187,7 @@ def main(argv=None):
     bench = Bench(args, torch, jax)
     results = describe(args, mode, filters, torch, jax, gpu_name, device_name,
                        bench.jax_mem().keys(), argv)
+    results["default_impl"] = DEFAULT_PALLAS  # report.py heads its tables with this row
     for warning in warnings:  # recorded (results["warnings"]) and printed, never hidden
         print(f"[bench] warning: {warning}", flush=True)
     print(f"[bench] {mode}: {len(cases)} cases on {gpu_name} ({jax.devices()[0]}), jax "

@@ -8,18 +8,21 @@ import fnmatch
 
 from benchmarks.harness import BOOL
 
-# The op's Pallas kernels, per backend (issue 14 times both in one run): Triton and Mosaic
-# GPU; "jaxops-pallas" is implementation="pallas", per call one of them
-# (`jaxops.implementations.pallas_backend`), so it runs only when a --filter names it
-# exactly: by default it would time the same kernels twice.
-# "jaxops-pallas_mosaic-u8" is the Mosaic backend handed the keep mask as uint8 (which it
-# reads in place; a bool mask costs it an XLA conversion pass): masked cases only.
+# The op's Pallas kernels. "jaxops-pallas" is implementation="pallas", the default callers
+# get (`jaxops.implementations.pallas_backend`): on Hopper the Mosaic GPU kernels for every
+# V_loc whose rows TMA can tile, bool masks read in place (jaxops._mask_view.ENABLED), never
+# a function of T; Triton before Hopper and for V_loc TMA cannot tile. The default set times
+# it next to "jaxops-pallas_triton" (the pre-Hopper path, for comparison). On Hopper
+# "jaxops-pallas_mosaic" and MOSAIC_U8 (the Mosaic backend handed the keep mask as uint8:
+# masked cases only) time the default's own kernels again, so they run only when a --filter
+# names them (EXTRA_IMPLS: a glob like `jaxops-*` selects them too).
 MOSAIC_U8 = "jaxops-pallas_mosaic-u8"
-PALLAS_IMPLS = ("jaxops-pallas_triton", "jaxops-pallas_mosaic", MOSAIC_U8, "jaxops-pallas")
-ALIAS_IMPLS = ("jaxops-pallas",)
+DEFAULT_PALLAS = "jaxops-pallas"
+PALLAS_IMPLS = (DEFAULT_PALLAS, "jaxops-pallas_triton", "jaxops-pallas_mosaic", MOSAIC_U8)
+EXTRA_IMPLS = ("jaxops-pallas_mosaic", MOSAIC_U8)  # --filter only
 IMPLS = PALLAS_IMPLS + ("jaxops-xla", "bridge", "jax-jit", "torch-compile", "torch-eager",
                         "megatron")  # every name --filter impl= knows, in run order
-DEFAULT_IMPLS = tuple(i for i in IMPLS if i not in ALIAS_IMPLS)  # no impl filter
+DEFAULT_IMPLS = tuple(i for i in IMPLS if i not in EXTRA_IMPLS)  # no impl filter
 JAX_IMPLS = PALLAS_IMPLS + ("jaxops-xla", "jax-jit")  # the others run from PyTorch
 TORCH_IMPLS = ("megatron", "torch-eager", "torch-compile")
 # Big sizes: these run first (build_cases). The bridge counts: its buffers (the [T, V_loc]
@@ -105,12 +108,10 @@ def parse_filters(specs):
 
 
 def impl_selected(impl, patterns):
-    """Whether `impl` is run: without a pattern, the DEFAULT_IMPLS; an alias only when a
-    pattern names it exactly (`jaxops-*` means the two backends, not a third copy)."""
+    """Whether `impl` is run: without a pattern, the DEFAULT_IMPLS; with patterns, every
+    implementation a pattern matches (fnmatch globs, e.g. `jaxops-*`: all four Pallas rows)."""
     if patterns is None:
         return impl in DEFAULT_IMPLS
-    if impl in ALIAS_IMPLS:
-        return impl in patterns
     return any(fnmatch.fnmatch(impl, pattern) for pattern in patterns)
 
 

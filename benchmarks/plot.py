@@ -61,6 +61,7 @@ def plot(results, out_path):
                              squeeze=False, sharex=True,
                              gridspec_kw={"height_ratios": (1, 1, 0.6)})
     handles = {}
+    names = report.labels(results)
     for col, (dtype, entropy, mask) in enumerate(combos):
         rows = [r for r in results["rows"] if (r["dtype"], r["V"], r["entropy"], r["mask"])
                 == (dtype, V, entropy, mask)]
@@ -78,7 +79,7 @@ def plot(results, out_path):
                 colour, marker = STYLE.get(impl, ("gray", "."))
                 if pts:
                     (h,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker,
-                                   color=colour, lw=1.2, ms=5, label=report.LABEL.get(impl, impl))
+                                   color=colour, lw=1.2, ms=5, label=names.get(impl, impl))
                     handles.setdefault(impl, h)
                 for r in rows:
                     if r["impl"] == impl and r.get(f"{phase}_status") == "OOM":

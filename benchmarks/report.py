@@ -30,9 +30,10 @@ SUMMARY_START, SUMMARY_END = "<!-- perf-summary:start -->", "<!-- perf-summary:e
 # The anchors of the short table (summary_md), where measured.
 SUMMARY_ANCHORS = ("jax-jit", "torch-compile", "megatron")
 # The op's Pallas kernels, in the order that picks the headline ("ours": speed-ups are
-# anchor time / its time): "pallas" where measured (what callers get), else the
-# Triton backend, else Mosaic. The other backends present get their own time and
-# x roofline columns, and count as anchors in `speedups`.
+# anchor time / its time): "pallas" where measured (the default callers get: bench.py's
+# default set has it since "pallas" became the Mosaic kernels on Hopper), else the Triton
+# backend, else Mosaic (older results files). The other backends present get their own time
+# and x roofline columns, and count as anchors in `speedups`.
 PALLAS_ORDER = ("jaxops-pallas", "jaxops-pallas_triton", "jaxops-pallas_mosaic",
                 "jaxops-pallas_mosaic-u8")
 OURS = PALLAS_ORDER[0]  # where no row names a Pallas backend
@@ -44,6 +45,21 @@ LABEL = {"jaxops-pallas": "jaxops (Pallas)", "jaxops-pallas_triton": "jaxops (Pa
          "jaxops-xla": "jaxops (XLA)",
          "bridge": "bridge (torch → jaxops)", "jax-jit": "jax.jit", "torch-compile": "torch.compile",
          "torch-eager": "torch eager", "megatron": "Megatron fused CE"}
+# The headline name of the row a results file marks as the default (bench.py writes
+# "default_impl": "jaxops-pallas"). Files written before that (e.g. the committed h200.json,
+# where "jaxops-pallas" was an alias run by --filter under an older policy) keep LABEL's
+# names, so their tables render as they always did.
+DEFAULT_LABEL = "jaxops (default)"
+
+
+def labels(results):
+    """LABEL, with the results' default implementation (if it names one) as DEFAULT_LABEL."""
+    default = (results or {}).get("default_impl")
+    if default in LABEL:
+        return {**LABEL, default: DEFAULT_LABEL}
+    return LABEL
+
+
 DT = {"float32": "fp32", "bfloat16": "bf16"}
 
 
@@ -239,8 +255,9 @@ def headline_md(results):
                                               for k in index)]
     header = ["dtype", "entropy", "mask", "roofline ms"]
     for impl in kernels:
-        header += [f"{LABEL[impl]} ms", "× roofline"]
-    header += [("bridge overhead µs" if a == "bridge" else f"vs {LABEL[a]}") for a in present]
+        header += [f"{labels(results)[impl]} ms", "× roofline"]
+    header += [("bridge overhead µs" if a == "bridge" else f"vs {labels(results)[a]}")
+               for a in present]
     rows = []
     for dtype, entropy, mask in combos(results, T, V):
         ours = index.get((kernels[0], dtype, T, V, entropy, mask))
@@ -289,7 +306,7 @@ def all_rows_md(results, T, V):
             if r is None or (r.get("status", "").startswith("n/a")):
                 continue
             extra = beyond_grad(r)
-            rows.append([LABEL[impl], DT.get(dtype, dtype), yn(entropy), yn(mask),
+            rows.append([labels(results)[impl], DT.get(dtype, dtype), yn(entropy), yn(mask),
                          phase_cell(r, "fwd"), x_roof(r, "fwd"), phase_cell(r, "fb"),
                          x_roof(r, "fb"), gb(r.get("fb_peak_extra_bytes")) if ok(r, "fb") else "—",
                          size(extra)])
@@ -334,7 +351,7 @@ def sweep_md(results):
                 else:
                     cells.append(_pair(phase_cell(r, "fb"), phase_cell(r, "fwd")))
             if any(c not in ("—", "n/a (n/a)") for c in cells):
-                rows.append([LABEL[impl], DT.get(dtype, dtype), yn(entropy), *cells])
+                rows.append([labels(results)[impl], DT.get(dtype, dtype), yn(entropy), *cells])
     return _md_table(header, rows)
 
 
@@ -348,7 +365,8 @@ def memory_summary(results):
             continue
         worst = max(rows, key=beyond_grad)
         lines.append(
-            f"Memory: for {LABEL[impl]} the peak extra allocation of forward+backward is the "
+            f"Memory: for {labels(results)[impl]} the peak extra allocation of forward+backward "
+            "is the "
             f"gradient plus at most {beyond_grad(worst) / 1e6:.2f} MB over all "
             f"{len(rows)} cases (worst: {DT.get(worst['dtype'])}, T = {worst['T']:,}, "
             f"V = {worst['V']:,}, entropy {yn(worst['entropy'])}, mask {yn(worst['mask'])}; "
@@ -380,8 +398,9 @@ def summary_md(results, json_path=None, base=REPO):
     primary = ours(results)
     present = [a for a in SUMMARY_ANCHORS if any(k[0] == a and k[2] == T and k[3] == V
                                                  for k in index)]
-    header = ["dtype", "entropy", "mask", "roofline ms", f"{LABEL[primary]} ms", "× roofline"]
-    header += [f"vs {LABEL[a]}" for a in present]
+    header = ["dtype", "entropy", "mask", "roofline ms", f"{labels(results)[primary]} ms",
+              "× roofline"]
+    header += [f"vs {labels(results)[a]}" for a in present]
     rows = []
     for dtype, entropy, mask in combos(results, T, V):
         row = index.get((primary, dtype, T, V, entropy, mask))
@@ -449,7 +468,8 @@ def markdown(results, json_path=None, png_path=None, base=REPO):
         "(+ the bool mask), forward+backward moves them three times (+ two reads of the mask). "
         "Times are medians of many device-synchronised calls on fresh random logits; "
         "forward is an inference forward, forward+backward returns the gradient for random "
-        f"cotangents; speed-up = anchor time / {LABEL[ours(results)]} time, both from this run.",
+        f"cotangents; speed-up = anchor time / {labels(results)[ours(results)]} time, both "
+        "from this run.",
         "",
         f"**T = {T:,}, V = {V:,}** — cells are forward+backward (forward):",
         "",

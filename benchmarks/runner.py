@@ -35,6 +35,20 @@ Measurement rules (all recorded in the JSON under "method"):
   memory but makes every allocation a synchronous cudaMalloc/cudaFree and would distort
   JAX's times; it is not used. Between cases everything is freed (del, gc,
   `torch.cuda.empty_cache()`); an OOM is recorded as "OOM" and the run continues.
+* Memory held by the bench itself: a case's peak is its inputs, one call's outputs (the
+  gradient) and the implementation's own temporaries. The timing loop drops a call's
+  outputs before the next call (harness.time_calls), the [T, V] inputs are made in row
+  blocks (no full-size temporaries: `block_rows`), nothing of a case outlives it, and each
+  row records what was still allocated when it started (`jax_live_bytes_at_start`, and
+  `torch_allocated_bytes_at_start` on a GPU: both ~0) next to JAX's pool and the free
+  device memory. Byte arithmetic at fp32 T = 32,768, V = 151,936 (T*V = 4.98e9):
+  logits 19.9 GB, gradient 19.9 GB, bool mask 5.0 GB. Forward+backward held
+  logits + 2 gradients = 59.7 GB before (the previous call's gradient was alive while the
+  next call allocated its own), + transient input-generation temporaries (JAX's
+  random bits, torch's uint8 mask bytes); now logits + 1 gradient = 39.8 GB, what the op
+  alone needs: 19.9 GB less. JAX's pool (BFC, never returned) still keeps the regions
+  earlier cases grew (the bandwidth test's 2 x 5 GB, the headline size's) next to that;
+  `jax_pool_bytes_at_start` and `device_free_bytes_at_start` show them.
 """
 
 from __future__ import annotations
@@ -50,6 +64,17 @@ from benchmarks.cases import (JAX_IMPLS, LOGIT_SCALE, MAIN_T, MAIN_V, MASK_THRES
                               MOSAIC_U8)
 from benchmarks.harness import is_oom, itemsize, roofline_bytes, roofline_ms, short_error
 from benchmarks.impls import Implementations
+
+BLOCK_ELEMENTS = 1 << 27  # the [T, V] inputs are generated in row blocks of at most this
+
+
+def block_rows(T, V, limit=BLOCK_ELEMENTS):
+    """Rows per block of a [T, V] input made block by block: T halved while a block has
+    more than `limit` elements (T itself when T is odd: one block)."""
+    rows = T
+    while rows % 2 == 0 and rows * V > limit:
+        rows //= 2
+    return rows
 
 
 class Bench:
@@ -95,10 +120,13 @@ class Bench:
         y = torch.randint(0, case.V, (case.T,), generator=gen, device=self.tdev,
                           dtype=torch.int64)
         m = None
-        if case.mask:
-            raw = torch.randint(0, 256, (case.T, case.V), generator=gen, device=self.tdev,
-                                dtype=torch.uint8)
-            m = raw < MASK_THRESHOLD
+        if case.mask:  # random bytes < threshold, a row block at a time (no [T, V] uint8)
+            m = torch.empty((case.T, case.V), device=self.tdev, dtype=torch.bool)
+            rows = block_rows(case.T, case.V)
+            for i in range(0, case.T, rows):
+                raw = torch.randint(0, 256, (min(rows, case.T - i), case.V), generator=gen,
+                                    device=self.tdev, dtype=torch.uint8)
+                torch.lt(raw, MASK_THRESHOLD, out=m[i:i + rows])
             del raw
         gl = torch.randn((case.T,), generator=gen, device=self.tdev, dtype=torch.float32)
         gh = torch.randn((case.T,), generator=gen, device=self.tdev, dtype=torch.float32)
@@ -122,11 +150,12 @@ class Bench:
         shape = (case.T, case.V)
         gen = self._generators
         if (shape, dtype) not in gen:  # one compile per shape, not per call
-            gen[(shape, dtype)] = jax.jit(
-                lambda k: jax.random.normal(k, shape, dtype) * jnp.asarray(LOGIT_SCALE, dtype))
+            gen[(shape, dtype)] = self._blockwise(
+                shape, lambda k, s: jax.random.normal(k, s, dtype) * jnp.asarray(LOGIT_SCALE,
+                                                                                   dtype))
         if (shape, "mask") not in gen:  # random bytes: no [T, V] float32 temporary
-            gen[(shape, "mask")] = jax.jit(
-                lambda k: jax.random.bits(k, shape, jnp.uint8) < MASK_THRESHOLD)
+            gen[(shape, "mask")] = self._blockwise(
+                shape, lambda k, s: jax.random.bits(k, s, jnp.uint8) < MASK_THRESHOLD)
         x = gen[(shape, dtype)](kx)
         y = jax.random.randint(ky, (case.T,), 0, case.V, jnp.int32)
         m = gen[(shape, "mask")](km) if case.mask else None
@@ -134,6 +163,19 @@ class Bench:
             m = m.astype(jnp.uint8)
         gl, gh = jax.random.normal(kg, (2, case.T), jnp.float32)
         return jax.block_until_ready((x, y, m, gl, gh))
+
+    def _blockwise(self, shape, make):
+        """jit(key -> [T, V] array), made `block_rows` rows at a time by `make(key, block
+        shape)` into the output (lax.map: one block's temporaries, e.g. the random bits,
+        at a time; the reshape is free), so the peak is the array itself."""
+        jax = self.jax
+        T, V = shape
+        rows = block_rows(T, V)
+
+        def gen(key):
+            keys = jax.random.split(key, T // rows)
+            return jax.lax.map(lambda k: make(k, (rows, V)), keys).reshape(T, V)
+        return jax.jit(gen)
 
     # --------------------------------------------------------------- sync / memory
     def torch_sync(self):
@@ -147,6 +189,13 @@ class Bench:
         if self.on_gpu:
             self.torch.cuda.synchronize()
             self.torch.cuda.empty_cache()
+
+    def jax_live_bytes(self):
+        """Bytes of the JAX arrays alive now (jax.live_arrays); None if unavailable."""
+        try:
+            return int(sum(a.nbytes for a in self.jax.live_arrays()))
+        except Exception:  # an old JAX without live_arrays: the row says None
+            return None
 
     def jax_mem(self):
         """The device's memory_stats(); {} where the backend has none (e.g. some CPUs)."""
@@ -200,8 +249,11 @@ class Bench:
         # What else holds the device (to read an OOM): JAX's pool never shrinks.
         jstats = self.jax_mem()
         row["jax_pool_bytes_at_start"] = jstats.get("pool_bytes", jstats.get("bytes_reserved"))
+        # What the bench still holds from earlier cases (should be ~0: runner.py's doc).
+        row["jax_live_bytes_at_start"] = self.jax_live_bytes()
         if self.on_gpu:
             row["device_free_bytes_at_start"] = int(self.torch.cuda.mem_get_info()[0])
+            row["torch_allocated_bytes_at_start"] = int(self.torch.cuda.memory_allocated())
         failed = False
         try:
             if row["framework"] == "jax":
@@ -230,10 +282,13 @@ class Bench:
         return row
 
     def _phase(self, row, phase, body):
-        """Run one phase, recording OOM / errors in the row instead of raising."""
+        """Run one phase, recording OOM / errors in the row instead of raising. The cleanup
+        runs after the except block: until it ends, the traceback's frames (holding that
+        phase's outputs) are alive."""
         try:
             body()
             row[f"{phase}_status"] = "ok"
+            return
         except Exception as exc:
             if is_oom(exc):
                 row[f"{phase}_status"] = "OOM"
@@ -241,7 +296,7 @@ class Bench:
                 traceback.print_exc()
                 row[f"{phase}_status"] = f"error: {short_error(exc)}"
             del exc
-            self.cleanup()
+        self.cleanup()
 
     def _run_jax(self, case, row):
         jax = self.jax

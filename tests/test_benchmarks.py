@@ -57,7 +57,7 @@ def tiny_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "cpu.json"
     stdout = _run("-m", "benchmarks.bench", "--tiny", "--device-name", "cpu-test",
                   "--out", str(out))
-    assert "speed-up of jaxops-pallas_triton" in stdout  # both backends run by default
+    assert "speed-up of jaxops-pallas " in stdout  # the default "pallas" heads the tables
     with open(out) as f:
         return out, json.load(f)
 
@@ -90,6 +90,31 @@ def test_time_calls_rotates_warms_up_and_takes_the_median():
     assert harness.time_calls(lambda: None, reps=4, calls=2, sync=id, warmup=0).seconds >= 0
 
 
+def test_time_calls_keeps_one_output_alive():
+    """The previous call's outputs are dropped before the next call: at fp32 T = 32,768 a
+    forward+backward's outputs hold a 19.9 GB gradient, two of them would not fit."""
+    live, peak = [0], [0]
+
+    class Out:
+        def __init__(self):
+            live[0] += 1
+            peak[0] = max(peak[0], live[0])
+
+        def __del__(self):
+            live[0] -= 1
+
+    harness.time_calls(lambda: Out(), reps=3, calls=4, sync=lambda out: None, warmup=2)
+    assert peak[0] == 1 and live[0] == 0
+
+
+def test_inputs_are_made_in_row_blocks():
+    from benchmarks.runner import BLOCK_ELEMENTS, block_rows
+    assert block_rows(32768, 151_936) == 512 and 512 * 151_936 <= BLOCK_ELEMENTS
+    assert block_rows(8192, 151_936 // 8) == 4096
+    assert block_rows(32, 1000) == 32 and block_rows(70, 10**9) == 35
+    assert block_rows(33, 10**9) == 33  # odd T: one block
+
+
 def test_budget_seconds():
     assert harness.budget_seconds("0") == 0.0
     assert harness.budget_seconds("450") == 450.0
@@ -106,23 +131,29 @@ def test_budget_seconds():
 def test_filters_select_cases():
     filters = cases.parse_filters(["impl=jaxops-*,megatron", "dtype=bf16", "T=8192"])
     selected = cases.build_cases("quick", filters)
-    # A glob means both Pallas backends; the "pallas" alias only when named exactly.
-    assert {c.impl for c in selected} == {"jaxops-pallas_triton", "jaxops-pallas_mosaic",
-                                          cases.MOSAIC_U8, "jaxops-xla", "megatron"}
-    alias = cases.build_cases("quick", cases.parse_filters(["impl=jaxops-pallas"]))
-    assert alias and {c.impl for c in alias} == {"jaxops-pallas"}
-    # Default: both backends, each at every size, next to every baseline, no alias.
+    # A glob matches every Pallas row, the ones left out of the default set too.
+    assert {c.impl for c in selected} == {"jaxops-pallas", "jaxops-pallas_triton",
+                                          "jaxops-pallas_mosaic", cases.MOSAIC_U8,
+                                          "jaxops-xla", "megatron"}
+    mosaic = cases.build_cases("quick", cases.parse_filters(["impl=jaxops-pallas_mosaic"]))
+    assert mosaic and {c.impl for c in mosaic} == {"jaxops-pallas_mosaic"}
+    # Default: the default "pallas" (on Hopper: the Mosaic kernels, bool masks in place) and
+    # Triton (the pre-Hopper path), at every size, next to every baseline; not the explicit
+    # Mosaic rows, which on Hopper time the default's kernels again.
     quick = cases.build_cases("quick", {})
     assert {c.impl for c in quick} == set(cases.DEFAULT_IMPLS)
-    assert "jaxops-pallas" not in cases.DEFAULT_IMPLS
+    assert "jaxops-pallas" in cases.DEFAULT_IMPLS and "jaxops-pallas_triton" in cases.DEFAULT_IMPLS
+    assert not set(cases.EXTRA_IMPLS) & set(cases.DEFAULT_IMPLS)
     per_impl = sum(c.impl == "jaxops-xla" for c in quick)
-    for impl in ("jaxops-pallas_triton", "jaxops-pallas_mosaic"):
+    for impl in ("jaxops-pallas", "jaxops-pallas_triton"):
         assert sum(c.impl == impl for c in quick) == per_impl
-    # The uint8-mask variant: exactly the masked cases, with the Mosaic backend's keys.
-    u8 = [c for c in quick if c.impl == cases.MOSAIC_U8]
+    # One device call: the quick set did not grow (116 cases with both explicit Mosaic rows).
+    assert len(quick) == 112 and len(cases.build_cases("full", {})) == 256
+    # The uint8-mask variant, when asked for: exactly the masked cases of the Mosaic rows.
+    u8 = [c for c in selected if c.impl == cases.MOSAIC_U8]
     assert u8 and all(c.mask for c in u8)
     assert ({dataclasses.replace(c, impl="jaxops-pallas_mosaic") for c in u8}
-            == {c for c in quick if c.impl == "jaxops-pallas_mosaic" and c.mask})
+            == {c for c in selected if c.impl == "jaxops-pallas_mosaic" and c.mask})
     assert all(c.dtype == "bfloat16" and c.T == 8192 for c in selected)
     assert {c.V for c in selected} == {151_936, 151_936 // 8}
     selected = cases.build_cases("full", cases.parse_filters(["entropy=no;mask=yes"]))
@@ -146,9 +177,9 @@ def test_entry_scripts_run_by_path_and_as_modules(tmp_path):
         out = _run(os.path.join(BENCH_DIR, f"{name}.py"), "--help", cwd=tmp_path,
                    pythonpath=False)
         assert "usage:" in out, name
-    assert _run("-m", "benchmarks.bench", "--dry-run", "--tiny").endswith("33 cases (tiny)\n")  # 33: one uint8-mask Mosaic case
+    assert _run("-m", "benchmarks.bench", "--dry-run", "--tiny").endswith("32 cases (tiny)\n")
     assert _run(os.path.join(BENCH_DIR, "bench.py"), "--dry-run", "--tiny", cwd=tmp_path,
-                pythonpath=False).endswith("33 cases (tiny)\n")  # 33: one uint8-mask Mosaic case
+                pythonpath=False).endswith("32 cases (tiny)\n")
 
 
 def test_docs_tables_are_the_committed_json():
@@ -221,8 +252,8 @@ def test_tiny_run_has_every_row(tiny_results):
 
     # The bridge must run: PyTorch is installed (the fixture skips otherwise), so a bridge
     # that fails to import is broken, and its row says "error: ...", which fails here.
-    must_run = {"jaxops-pallas_triton", "jaxops-pallas_mosaic", cases.MOSAIC_U8, "jaxops-xla",
-                "jax-jit", "torch-eager", "bridge"}
+    must_run = {"jaxops-pallas", "jaxops-pallas_triton", "jaxops-xla", "jax-jit", "torch-eager",
+                "bridge"}
     if _module_available("megatron.core"):
         must_run.add("megatron")
     for key, row in rows.items():
@@ -248,22 +279,23 @@ def test_tiny_run_has_every_row(tiny_results):
         assert math.isfinite(row["lp_mean"]) and row["lp_mean"] < 0
         if row["entropy"]:
             assert row["h_mean"] > 0
-        if impl.startswith("jaxops-pallas"):  # the kernels ran, no fallback to XLA (but:)
-            if impl == cases.MOSAIC_U8:
-                # Tiny's V = 1000 is no multiple of 16: the masked Mosaic call falls back
-                # to XLA, and says so (the kernels' uint8 path: test_logprob_entropy).
-                for phase in ("fwd", "fb"):
-                    assert all("XLA implementation instead" in w
-                               for w in row.get(f"{phase}_warnings") or []), key
-            else:
-                assert not row.get("fwd_warnings") and not row.get("fb_warnings"), key
+        if impl.startswith("jaxops-pallas"):  # the kernels ran, no fallback to XLA
+            assert not row.get("fwd_warnings") and not row.get("fb_warnings"), key
         if row["framework"] == "jax":  # buffer assignment: the gradient is an output
             assert row["fb_peak_extra_bytes"] >= row["grad_bytes"]
     ours = [s for s in results["speedups"] if s["fb"] is not None]
     assert ours and all(s["fb"] > 0 and s["fwd"] > 0 for s in ours)
-    # Mosaic / Triton, at the one combo each backend runs in --tiny
-    assert {s["ours"] for s in ours} == {"jaxops-pallas_triton"}
-    assert any(s["anchor"] == "jaxops-pallas_mosaic" for s in ours)
+    # Triton / the default, at the one combo each runs in --tiny
+    assert {s["ours"] for s in ours} == {"jaxops-pallas"}
+    assert any(s["anchor"] == "jaxops-pallas_triton" for s in ours)
+    # Nothing of an earlier case is alive when a case starts (runner.py's doc: a case's
+    # peak is its own inputs, outputs and temporaries).
+    assert results["default_impl"] == "jaxops-pallas"
+    started = [r for r in results["rows"] if "jax_live_bytes_at_start" in r]
+    assert {r["impl"] for r in started} >= must_run - {"megatron"}
+    for row in started:
+        live = row["jax_live_bytes_at_start"]
+        assert live is not None and live < 4096, (row["impl"], live)
 
 
 @pytest.mark.slow
@@ -276,7 +308,7 @@ def test_plot_and_report(tiny_results, tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
     text = _run("-m", "benchmarks.report", str(json_path), "--text")
-    assert "jaxops-pallas_mosaic" in text and "speed-up" in text
+    assert "jaxops-pallas_triton" in text and "speed-up of jaxops-pallas " in text
 
     readme, performance = tmp_path / "README.md", tmp_path / "performance.md"
     readme.write_text("# title\n\n<!-- perf-summary:start -->\nold summary\n"
@@ -295,10 +327,15 @@ def test_plot_and_report(tiny_results, tmp_path):
     assert "| dtype | entropy | mask | roofline ms |" in section
     assert f"T = {results['rows'][0]['T']:,}" in section
     # Traceable: the headline numbers are the JSON's, formatted.
-    for impl in ("jaxops-pallas_triton", "jaxops-pallas_mosaic"):  # a column each
+    for impl in ("jaxops-pallas", "jaxops-pallas_triton"):  # a column each
         pallas = next(r for r in results["rows"] if r["impl"] == impl and r["status"] == "ok")
         assert report.ms(pallas["fb_ms"]) in section and report.ms(pallas["fwd_ms"]) in section
-        assert f"| {report.LABEL[impl]} ms | × roofline |" in section
+        assert f"| {report.labels(results)[impl]} ms | × roofline |" in section
+    # The default row is the headline, named as such; files without "default_impl" (the
+    # committed h200.json) keep the old names (test_docs_tables_are_the_committed_json).
+    assert "| jaxops (default) ms | × roofline | jaxops (Pallas Triton) ms |" in section
+    assert "| roofline ms | jaxops (default) ms |" in summary
+    assert report.labels({})["jaxops-pallas"] == "jaxops (Pallas)"
     assert "cpu.png" in section
 
 

@@ -59,8 +59,9 @@ _ROWS = pm._ROWS
 
 
 def supported(num_vocab: int, itemsize: int, masked: bool) -> bool:
-    """Shapes the kernels take (`pallas_config.mosaic_supported`)."""
-    return mosaic_supported(num_vocab, itemsize, masked)
+    """Shapes the kernels take (`pallas_config.mosaic_supported`), on a JAX that lowers
+    their stores into the caller's buffers (`pallas_mosaic.STORES_INTO_INPUTS`)."""
+    return pm.STORES_INTO_INPUTS and mosaic_supported(num_vocab, itemsize, masked)
 
 
 def saved_names(with_entropy: bool, masked: bool) -> tuple[str, ...]:

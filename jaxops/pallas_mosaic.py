@@ -71,6 +71,14 @@ _SHARED_EXP_GAP = 64.0
 
 # --- version shims (jax 0.10.2, 0.11.2 and 0.12.1 checked) ------------------------------
 
+# jax 0.12 refuses a kernel that stores into an input passed as an array (it wants a
+# Ref, or the input aliased to an output); 0.10 and 0.11 lower it. The kernels that store
+# into a buffer their caller owns -- the in-place gradient (`backward_logits(into=)`) and
+# the bridge's direct route (`mosaic_direct`) -- are therefore used up to 0.11 only;
+# from 0.12 the gradient is JAX's and the bridge goes through JAX (docs/bridge.md).
+STORES_INTO_INPUTS = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 12)
+
+
 def _interpret_params():
     """Mosaic GPU's own interpreter (GMEM/SMEM, TMA, barriers simulated on CPU).
 
@@ -740,8 +748,10 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsiz
 
 def can_write_into(logits, keep_mask, config: MosaicConfig | None) -> bool:
     """Whether `backward_logits(..., into=buffer)` can write the gradient into `buffer`:
-    compiled kernels (not the interpreter, which works on copies) at a V_loc they take."""
-    return (not (config is not None and config.interpret) and logits.shape[0] > 0
+    compiled kernels (not the interpreter, which works on copies) at a V_loc they take,
+    on a JAX that lowers a store into an input (`STORES_INTO_INPUTS`)."""
+    return (STORES_INTO_INPUTS and not (config is not None and config.interpret)
+            and logits.shape[0] > 0
             and mosaic_supported(logits.shape[-1], logits.dtype.itemsize,
                                  keep_mask is not None))
 

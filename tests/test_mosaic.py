@@ -290,6 +290,16 @@ def test_the_fused_heads_narrow_chunks_keep_triton():
                                           min_mosaic_vocab=minimum) == "pallas_mosaic"
 
 
+def test_the_in_place_gradient_is_offered_where_jax_lowers_input_stores():
+    """`backward_logits(into=)` stores into an input, which jax 0.12 refuses to lower:
+    `can_write_into` says no there, so callers (the bridge) take JAX's gradient."""
+    version = tuple(int(p) for p in jax.__version__.split(".")[:2])
+    assert pallas_mosaic.STORES_INTO_INPUTS == (version < (0, 12))
+    logits = jax.ShapeDtypeStruct((8, 1024), jnp.bfloat16)
+    assert pallas_mosaic.can_write_into(logits, None, MosaicConfig()) == (version < (0, 12))
+    assert not pallas_mosaic.can_write_into(logits, None, MosaicConfig(interpret=True))
+
+
 def test_which_backend_pallas_means_is_not_a_function_of_t():
     """The default's pick cannot depend on the batch (batch invariance): the policy
     takes no T."""
@@ -360,9 +370,11 @@ def _lower_for_cuda(num_tokens, num_vocab, dtype, masked, with_entropy):
         jax.jit(fwd).trace(logits, targets, mask).lower(lowering_platforms=("cuda",)).as_text(),
         jax.jit(bwd).trace(logits, targets, mask, row, row if masked else None, coefs)
         .lower(lowering_platforms=("cuda",)).as_text(),
-        jax.jit(bwd_into).trace(logits, targets, mask, row, row if masked else None, coefs,
-                                logits).lower(lowering_platforms=("cuda",)).as_text(),
     ]
+    if pallas_mosaic.STORES_INTO_INPUTS:  # else `into` is refused (test below)
+        texts.append(jax.jit(bwd_into).trace(
+            logits, targets, mask, row, row if masked else None, coefs, logits,
+        ).lower(lowering_platforms=("cuda",)).as_text())
     for text in texts:
         assert "mosaic_gpu" in text  # the kernel, not the XLA fallback
 

@@ -43,7 +43,22 @@ def triton_modules(monkeypatch):
         return result
 
     monkeypatch.setattr(lowering, "lower_jaxpr_to_triton_module", spy)
+    _fake_hopper_gpu_info(monkeypatch)
     return modules
+
+
+def _fake_hopper_gpu_info(monkeypatch):
+    """jax 0.12's Triton lowering asks the default device for its GPU info (0.10 and
+    0.11 do not) and refuses a CPU one: hand it an H100's compute capability."""
+    try:
+        from jax._src import gpu_info
+        from jax._src.pallas.triton import pallas_call_registration as registration
+    except ImportError:  # jax 0.10, 0.11: no such lookup
+        return
+    if getattr(registration, "gpu_info_lib", None) is not gpu_info:
+        return
+    hopper = gpu_info.GpuInfo(gpu_version=None, arch_name="9.0", compute_capability=90)
+    monkeypatch.setattr(gpu_info, "get_gpu_info", lambda: hopper)
 
 
 def _forward(config, masked, with_entropy):

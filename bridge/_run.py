@@ -108,8 +108,8 @@ class Plan:
         self.raw_targets, self.target_mode, self.words = _raw_targets(targets, dev)
         # "pallas" (the CUDA default) runs the kernels jaxops' policy picks, on either
         # route: the direct one (`_direct.applies`) where it applies, else through JAX.
-        # Both backends' backward kernels store the gradient into torch's tensor there
-        # (`can_write_into`): one memory pool. The same kernels on every route give a
+        # Backward kernels that can store the gradient into torch's tensor there do
+        # (`can_write_into`: one memory pool). The same kernels on every route give a
         # row the same bits whatever the route (docs/bridge.md).
         # A mask counts as bytes: the Mosaic kernels get a bool one as its uint8 view
         # (torch's bool is one byte, 0 or 1: zero-copy), so they pay no conversion.

@@ -77,6 +77,12 @@ _SHARED_EXP_GAP = 64.0
 # the bridge's direct route (`mosaic_direct`) -- are therefore used up to 0.11 only;
 # from 0.12 the gradient is JAX's and the bridge goes through JAX (docs/bridge.md).
 STORES_INTO_INPUTS = tuple(int(p) for p in jax.__version__.split(".")[:2]) < (0, 12)
+# `backward_logits(into=)` lowers for CUDA (tests/test_mosaic.py) but has not yet run on a
+# GPU: `can_write_into` offers it once
+# tests/test_mosaic.py::test_gpu_write_through_matches_the_allocated_gradient has passed
+# there. Until then the bridge's route through JAX takes JAX's gradient on the Mosaic
+# kernels (handed to torch without a copy for one row window).
+IN_PLACE_GRADIENT = False
 
 
 def _interpret_params():
@@ -749,8 +755,10 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsiz
 def can_write_into(logits, keep_mask, config: MosaicConfig | None) -> bool:
     """Whether `backward_logits(..., into=buffer)` can write the gradient into `buffer`:
     compiled kernels (not the interpreter, which works on copies) at a V_loc they take,
-    on a JAX that lowers a store into an input (`STORES_INTO_INPUTS`)."""
-    return (STORES_INTO_INPUTS and not (config is not None and config.interpret)
+    on a JAX that lowers a store into an input (`STORES_INTO_INPUTS`), where
+    `IN_PLACE_GRADIENT`."""
+    return (IN_PLACE_GRADIENT and STORES_INTO_INPUTS
+            and not (config is not None and config.interpret)
             and logits.shape[0] > 0
             and mosaic_supported(logits.shape[-1], logits.dtype.itemsize,
                                  keep_mask is not None))

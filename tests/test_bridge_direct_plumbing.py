@@ -238,8 +238,9 @@ def test_pallas_runs_the_policys_kernels_on_every_route(monkeypatch):
     """The bridge's "pallas" is jaxops' policy (`implementations.for_call`), whatever the
     route: where the JAX op picks Mosaic (Hopper, faked here) the
     route through JAX (several ranks, torch.compile) runs Mosaic too, a bool mask handed
-    over as its bytes; the Mosaic backward writes into torch's gradient as the Triton one
-    does (`can_write_into`). A named "pallas_triton" keeps the Triton kernels."""
+    over as its bytes; the Mosaic backward can write into torch's gradient as the Triton
+    one does (`can_write_into`, where `IN_PLACE_GRADIENT`). A named "pallas_triton" keeps
+    the Triton kernels."""
     from jaxops import implementations, pallas_mosaic
 
     real_for_call = implementations.for_call

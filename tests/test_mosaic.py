@@ -296,8 +296,13 @@ def test_the_in_place_gradient_is_offered_where_jax_lowers_input_stores():
     version = tuple(int(p) for p in jax.__version__.split(".")[:2])
     assert pallas_mosaic.STORES_INTO_INPUTS == (version < (0, 12))
     logits = jax.ShapeDtypeStruct((8, 1024), jnp.bfloat16)
-    assert pallas_mosaic.can_write_into(logits, None, MosaicConfig()) == (version < (0, 12))
-    assert not pallas_mosaic.can_write_into(logits, None, MosaicConfig(interpret=True))
+    for enabled in (False, True):
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(pallas_mosaic, "IN_PLACE_GRADIENT", enabled)
+            assert pallas_mosaic.can_write_into(logits, None, MosaicConfig()) == (
+                enabled and version < (0, 12))
+            assert not pallas_mosaic.can_write_into(logits, None,
+                                                    MosaicConfig(interpret=True))
 
 
 def test_which_backend_pallas_means_is_not_a_function_of_t():
@@ -471,7 +476,8 @@ def test_gpu_matches_xla(num_tokens, num_vocab, dtype, masked):
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("num_tokens", [1, 7, 1001, 8192])
-def test_gpu_write_through_matches_the_allocated_gradient(num_tokens, dtype, masked):
+def test_gpu_write_through_matches_the_allocated_gradient(num_tokens, dtype, masked,
+                                                          monkeypatch):
     """`backward_logits(into=buffer)` stores into the caller's buffer exactly the bits the
     allocating call returns (every element: the buffer starts as NaNs), and returns a [T]
     token."""
@@ -486,6 +492,7 @@ def test_gpu_write_through_matches_the_allocated_gradient(num_tokens, dtype, mas
     args = (logits, targets, mask, stats.max_logit, stats.masked_max, coefs)
     want = jax.jit(lambda *a: pallas_mosaic.backward_logits(*a, inv_tau=1.25))(*args)
     buffer = jnp.full(logits.shape, jnp.nan, dtype)
+    monkeypatch.setattr(pallas_mosaic, "IN_PLACE_GRADIENT", True)
     assert pallas_mosaic.can_write_into(logits, mask, MosaicConfig())
     token = jax.jit(lambda *a, into: pallas_mosaic.backward_logits(
         *a, inv_tau=1.25, into=into))(*args, into=buffer)

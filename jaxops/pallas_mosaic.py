@@ -753,12 +753,16 @@ def _backward_kernel(*refs, num_vocab, inv_tau, entropy, masked, config, itemsiz
 
 
 def can_write_into(logits, keep_mask, config: MosaicConfig | None) -> bool:
-    """Whether `backward_logits(..., into=buffer)` can write the gradient into `buffer`:
-    compiled kernels (not the interpreter, which works on copies) at a V_loc they take,
-    on a JAX that lowers a store into an input (`STORES_INTO_INPUTS`), where
-    `IN_PLACE_GRADIENT`."""
-    return (IN_PLACE_GRADIENT and STORES_INTO_INPUTS
-            and not (config is not None and config.interpret)
+    """Whether callers should hand `backward_logits` a buffer to write the gradient into
+    (`IN_PLACE_GRADIENT`, and `_stores_into` allows it)."""
+    return IN_PLACE_GRADIENT and _stores_into(logits, keep_mask, config)
+
+
+def _stores_into(logits, keep_mask, config: MosaicConfig | None) -> bool:
+    """Whether `backward_logits(..., into=buffer)` can store into `buffer`: compiled
+    kernels (not the interpreter, which works on copies) at a V_loc they take, on a JAX
+    that lowers a store into an input (`STORES_INTO_INPUTS`)."""
+    return (STORES_INTO_INPUTS and not (config is not None and config.interpret)
             and logits.shape[0] > 0
             and mosaic_supported(logits.shape[-1], logits.dtype.itemsize,
                                  keep_mask is not None))
@@ -776,9 +780,9 @@ def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
     tensor PyTorch allocated), the kernel's TMA stores go to that buffer instead of a
     new one, and the result is a `[T]` float32 array that is ready once the buffer is
     written (its values are unspecified). XLA treats `into` as a read-only input: read
-    it through its owner only. Needs `can_write_into(...)`."""
+    it through its owner only. Needs `_stores_into(...)` (see `can_write_into`)."""
     if into is not None:
-        if not can_write_into(logits, keep_mask, config):
+        if not _stores_into(logits, keep_mask, config):
             raise ValueError("backward_logits(into=...) needs the compiled Mosaic kernels "
                              "at a V_loc they take")
         if out_dtype is not None and jnp.dtype(out_dtype) != logits.dtype:

@@ -118,13 +118,11 @@ def _torch_entry(kind, implementation, with_entropy, device):
 def check_promise(entries, num_tokens, num_vocab, dtype, masked, with_entropy, batches,
                   rows):
     inputs = _inputs(num_tokens, num_vocab, dtype, masked)
-    logits, targets, mask, g_lp, g_h = inputs
     reference = entries["jit"](*inputs)
     rng = np.random.default_rng(1)
 
     def take(idx):
-        return [None if a is None else a[idx] for a in
-                (logits, targets, mask, g_lp, g_h)]
+        return [None if a is None else a[idx] for a in inputs]
 
     for size in batches:
         size = min(size, num_tokens)

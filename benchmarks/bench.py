@@ -4,7 +4,7 @@
 One run, one device, every implementation side by side (docs/design.md §7, §8, issue 5):
 
   jaxops-pallas   this project's op as callers get it: implementation="pallas", the
-                  default (jaxops.implementations.pallas_backend: on Hopper the Mosaic GPU
+                  default (jaxops.backends.registry.pallas_backend: on Hopper the Mosaic GPU
                   kernels for every V_loc TMA tiles, bool masks read in place; Triton
                   before Hopper and for V_loc TMA cannot tile; never a function of T) (jax.jit)
   jaxops-pallas_triton  the Pallas kernels lowered through Triton: the pre-Hopper path (jax.jit)
@@ -108,7 +108,7 @@ def build_parser():
         help="MosaicConfig fields for jaxops-pallas_mosaic, e.g. block_v=256,num_stages=4,"
              "chunk_v=4096 (approx_math takes 0/1)")
     add("--bool-mask-view", action="store_true",
-        help="set jaxops._mask_view.ENABLED (bool masks read in place by the Mosaic kernels; "
+        help="set jaxops.backends.mosaic.mask_view.ENABLED (bool masks read in place by the Mosaic kernels; "
              "already jaxops' default: kept for old command lines)")
     add("--bridge-kwargs", default="",
         help="extra keyword arguments for bridge.logprob_entropy, e.g. "
@@ -174,8 +174,8 @@ def main(argv=None):
                           if args.mosaic_config.strip(" ,") else None)
     args.bridge_kwargs = harness.parse_kwargs(args.bridge_kwargs)
     if args.bool_mask_view:  # before any kernel is traced
-        from jaxops import _mask_view
-        _mask_view.ENABLED = True
+        from jaxops.backends.mosaic import mask_view
+        mask_view.ENABLED = True
     cases = build_cases(mode, filters)
 
     gpu_name = (torch.cuda.get_device_name(0) if args.on_gpu

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 
 import jaxops
 from benchmarks import harness
-from bridge import _dlpack, _jaxfns, _run, op
+from bridge import diagnostics, op
 
 
 def sync(device):
@@ -69,7 +69,7 @@ def timeit(fn, device, calls, repeats=7, warmup=3):
 def breakdown(device, calls):
     """Per-operation costs of one bridge call, in microseconds."""
     res = {}
-    dev = _dlpack.device(device)
+    dev = diagnostics.dlpack_device(device)
     x = torch.randn(64, 1024, device=device)
     y64 = torch.randint(0, 1024, (64,), device=device)
     res["fast_path"] = dev.fast
@@ -87,7 +87,7 @@ def breakdown(device, calls):
     res["export_fast"] = timeit(lambda: xfer.to_torch(ja), device, calls)
     res["export_public_torch.from_dlpack"] = timeit(lambda: torch.from_dlpack(ja), device, calls)
     if dev.cuda:
-        res["stream_sync_event"] = timeit(dev._jax_waits_for_torch, device, calls)
+        res["stream_sync_event"] = timeit(dev.jax_waits_for_torch, device, calls)
     res["begin(transfer)"] = timeit(dev.begin, device, calls)
     f = jax.jit(lambda a: a + 1)
     res["jit_dispatch_trivial"] = timeit(lambda: f(ja), device, calls)
@@ -101,19 +101,11 @@ def breakdown(device, calls):
     return res
 
 
-def staged_fns(impl, dev, *, with_entropy, target_mode, logits):
+def staged_fns(impl, device, *, with_entropy, target_mode, logits):
     """The bridge's own jitted (forward, backward) pair for one unmasked shard, temperature 1."""
-    implementation, config = _run.implementation_for(
-        impl, dev, num_vocab=logits.shape[-1], itemsize=logits.element_size())
-    fwd = _jaxfns.local_forward(shard_index=0, world=1, inv_tau=1.0, with_entropy=with_entropy,
-                                masked=False, implementation=implementation, config=config,
-                                target_mode=target_mode)
-    bwd = _jaxfns.local_backward(shard_index=0, inv_tau=1.0, with_entropy=with_entropy,
-                                 entropy_grad=True, masked=False, has_d_log_prob=True,
-                                 has_d_entropy=with_entropy, implementation=implementation,
-                                 config=config,
-                                 target_mode=target_mode, write_through=False)
-    return fwd, bwd
+    return diagnostics.staged_functions(
+        impl, device, num_vocab=logits.shape[-1], itemsize=logits.element_size(),
+        with_entropy=with_entropy, target_mode=target_mode)
 
 
 class _TorchFloor(torch.autograd.Function):
@@ -133,12 +125,12 @@ class _TorchFloor(torch.autograd.Function):
 def ladder(device, impl, calls, num_tokens=16, num_vocab=1024):
     """Host microseconds of one fwd+bwd call, adding the bridge's pieces one at a time
     (T = 16, V = 1024 fp32 with entropy: the device is idle, the host is what is timed)."""
-    dev = _dlpack.device(device)
+    dev = diagnostics.dlpack_device(device)
     x = torch.randn(num_tokens, num_vocab, device=device)
     y = torch.randint(0, num_vocab, (num_tokens,), device=device)
     y32 = y.view(torch.int32)  # int64 ids as int32 pairs, as the bridge passes them
     d = torch.randn(num_tokens, 2, device=device)  # token-major, as the bridge passes them
-    fwd, bwd = staged_fns(impl, dev, with_entropy=True, target_mode="i64", logits=x)
+    fwd, bwd = staged_fns(impl, device, with_entropy=True, target_mode="i64", logits=x)
     xfer = dev.begin()
     jx, jy, jd = xfer.to_jax(x), xfer.to_jax(y32), xfer.to_jax(d)
     ox, oy, od = jnp.array(jx), jnp.array(jy), jnp.array(jd)
@@ -238,7 +230,7 @@ def scenario(device, T, V, dtype, with_entropy, calls, impl, do_compile, do_naiv
            "entropy": with_entropy, "gib_logits": x.numel() * x.element_size() / 2**30}
 
     # --- JAX direct, on JAX arrays holding the same values ---------------------------
-    dev = _dlpack.device(device)
+    dev = diagnostics.dlpack_device(device)
     xfer = dev.begin()
     jx = jnp.array(xfer.to_jax(x.detach()))  # a JAX-owned copy
     jy = jnp.asarray(xfer.to_jax(y.to(torch.int32)))
@@ -257,7 +249,8 @@ def scenario(device, T, V, dtype, with_entropy, calls, impl, do_compile, do_naiv
 
     res["jax"] = timeit(lambda: jax_fb(jx, jy, jg1, jg2), device, calls)
 
-    fwd, bwd = staged_fns(impl, dev, with_entropy=with_entropy, target_mode="i32", logits=x)
+    fwd, bwd = staged_fns(impl, device, with_entropy=with_entropy, target_mode="i32",
+                          logits=x)
 
     # token-major incoming gradients, as the bridge passes them
     jd = jnp.stack([jg1, jg2], axis=1) if with_entropy else jg1[:, None]
@@ -333,7 +326,7 @@ def memory(device):
     out = {}
     if device.type == "cuda":
         out["torch_reserved_gib"] = torch.cuda.memory_reserved(device) / 2**30
-        stats = _dlpack.device(device).jax_device.memory_stats() or {}
+        stats = diagnostics.jax_device(device).memory_stats() or {}
         out["jax_pool_gib"] = stats.get("pool_bytes", stats.get("bytes_reserved", 0)) / 2**30
         out["jax_peak_in_use_gib"] = stats.get("peak_bytes_in_use", 0) / 2**30
         out["jax_bytes_limit_gib"] = stats.get("bytes_limit", 0) / 2**30
@@ -359,7 +352,7 @@ def main():
     info = {"python": platform.python_version(), "torch": torch.__version__,
             "jax": jax.__version__, "device": str(device),
             "name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "memory_policy": _dlpack.memory_policy_note(),
+            "memory_policy": diagnostics.memory_policy_note(),
             "XLA_PYTHON_CLIENT_PREALLOCATE": os.environ.get("XLA_PYTHON_CLIENT_PREALLOCATE")}
     print(json.dumps(info), flush=True)
     results = {"info": info, "breakdown": breakdown(device, calls), "scenarios": []}

@@ -9,8 +9,8 @@ import fnmatch
 from benchmarks.harness import BOOL
 
 # The op's Pallas kernels. "jaxops-pallas" is implementation="pallas", the default callers
-# get (`jaxops.implementations.pallas_backend`): on Hopper the Mosaic GPU kernels for every
-# V_loc whose rows TMA can tile, bool masks read in place (jaxops._mask_view.ENABLED), never
+# get (`jaxops.backends.registry.pallas_backend`): on Hopper the Mosaic GPU kernels for every
+# V_loc whose rows TMA can tile, bool masks read in place (jaxops.backends.mosaic.mask_view.ENABLED), never
 # a function of T; Triton before Hopper and for V_loc TMA cannot tile. The default set times
 # it next to "jaxops-pallas_triton" (the pre-Hopper path, for comparison). On Hopper
 # "jaxops-pallas_mosaic" and MOSAIC_U8 (the Mosaic backend handed the keep mask as uint8:

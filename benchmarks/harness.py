@@ -180,7 +180,7 @@ def parse_kwargs(text):
 
 def pallas_config(pairs, cls=None):
     """{"block_v": "1024", "prefetch": "1"} (or "block_v=1024,prefetch=1") -> PallasConfig
-    (or `cls`, e.g. jaxops.pallas_config.MosaicConfig: the same rules for both backends'
+    (or `cls`, e.g. jaxops.backends.mosaic.config.MosaicConfig: the same rules for both backends'
     configs): on/off fields take 0/1 (or true/false, yes/no), the others integers; `none`
     leaves a field to its automatic choice."""
     import jaxops
@@ -202,7 +202,7 @@ def pallas_config(pairs, cls=None):
 
 def mosaic_config(pairs):
     """As `pallas_config`, for the Mosaic GPU kernels' MosaicConfig."""
-    from jaxops.pallas_config import MosaicConfig
+    from jaxops.backends.mosaic.config import MosaicConfig
     return pallas_config(pairs, MosaicConfig)
 
 

@@ -3,7 +3,7 @@
 Through JAX, every call pays PJRT's dispatch, a DLPack import per operand and an
 export per result (~230 µs of host time for a forward and a backward at T = 16;
 docs/performance.md, "The bridge: host cost and the direct route"). Here the kernels of
-`jaxops/mosaic_direct.py` are compiled once per row-window size into launchers that take
+`jaxops/backends/mosaic/direct.py` are compiled once per row-window size into launchers that take
 pointers to torch's tensors and launch on torch's default CUDA stream; every buffer comes
 from torch's caching allocator:
 
@@ -15,7 +15,7 @@ from torch's caching allocator:
 Taken when (`applies`): CUDA, the Mosaic kernels ("pallas" where jaxops' policy picks
 them, or "pallas_mosaic" named), one vocabulary shard (no process group, or a group of
 one), the eager autograd route, the logits on the current CUDA device, a GPU Mosaic GPU
-compiles for (sm_90+) and a shape the kernels take (`mosaic_direct.supported`);
+compiles for (sm_90+) and a shape the kernels take (`mosaic.direct.supported`);
 everything else goes through JAX (`_run.py`). Without JAX's per-call host cost the
 direct route was faster on the H200 at every size measured up to T = 16,384 (V_loc
 18,992 and 37,984, bf16/fp32, with and without a mask) and within 5% of the JAX route at
@@ -27,10 +27,10 @@ made of in jax 0.10-0.11 (the lowered module's Mosaic GPU call, and
 `mosaic.gpu.core._compile_as_torch_gpu_kernel`), without that wrapper's per-call
 argument checks and per-output allocations: on the H200 host those cost ~80 µs per
 launch. A window's forward buffers are carved out of one torch allocation. If a JAX
-version lacks the pieces, `_ready()` is False and the bridge uses the JAX route.
+version lacks the pieces, `ready()` is False and the bridge uses the JAX route.
 
 Targets: the kernels read int64 ids in place, as pairs of int32 words
-(`wide_targets`, `pallas_mosaic.read_targets`): an id outside [0, 2**31) reads as -1, so
+(`wide_targets`, `mosaic.common.read_targets`): an id outside [0, 2**31) reads as -1, so
 it stays out of range (NaN log-prob) instead of wrapping around, and no torch op converts
 them. int32 ids are read as they are. Large windows (`GATHER_TARGET_FROM`) get the
 target's logit gathered by torch.
@@ -49,7 +49,8 @@ import threading
 import torch
 
 from bridge import cache as _cache
-from jaxops.pallas_config import MosaicConfig
+from jaxops.backends import registry
+from jaxops.backends.mosaic.config import MosaicConfig
 
 _LAUNCHERS: dict = {}  # (kernel, device index) -> _Launcher
 # kernel -> everything its factory was given: the persistent cache's key (`_cache_key`)
@@ -63,15 +64,13 @@ def compiled_launchers() -> int:
 
 
 @functools.cache
-def _ready() -> bool:
+def ready() -> bool:
     """JAX's Mosaic GPU can compile for torch here (CUDA JAX, sm_90+, the pieces)."""
     try:
         from jax._src.pallas.mosaic_gpu import torch as mgpu_torch
         from jax.experimental.mosaic.gpu import core as mgpu_core
 
-        from jaxops import implementations
-
-        implementations._check_mosaic_gpu()
+        registry.check_mosaic_gpu()
         return (hasattr(mgpu_torch, "_find_mgpu_call_in_module")
                 and hasattr(mgpu_core, "_compile_as_torch_gpu_kernel"))
     except Exception:  # no CUDA JAX, a GPU before Hopper: the JAX route decides
@@ -81,16 +80,16 @@ def _ready() -> bool:
 def applies(plan, world: int, want_stats: bool) -> bool:
     if want_stats or world != 1 or not plan.dev.cuda:
         return False
-    if plan.implementation != "pallas_mosaic":
+    if plan.implementation != registry.MOSAIC:
         return False
     if plan.logits.device.index != torch.cuda.current_device():
         return False
     if plan.config is not None and plan.config.interpret:
         return False
-    from jaxops import mosaic_direct
+    from jaxops.backends.mosaic import direct as mosaic_direct
 
     return (mosaic_direct.supported(plan.num_vocab, plan.logits.element_size(),
-                                    plan.mask is not None) and _ready())
+                                    plan.mask is not None) and ready())
 
 
 class _Launcher:
@@ -199,12 +198,12 @@ class _WindowForward:
     """One window size's forward: its kernels, their operands, and the layout of the
     one float32 buffer they write -- the finish outputs (rows of `padded`), then the
     partials (`chunks` rows each). A vocabulary of one chunk whose target is found in
-    the kernel takes one kernel (`mosaic_direct.forward_kernel`) and no partials. Made
+    the kernel takes one kernel (`mosaic.direct.forward_kernel`) and no partials. Made
     once per configuration (`_window_forward`), so a call only adds addresses."""
 
     def __init__(self, size, num_vocab, dtype, masked, with_entropy, inv_tau, config,
                  gathered, wide):
-        from jaxops import mosaic_direct as md
+        from jaxops.backends.mosaic import direct as md
 
         sizes = md.layout(size, num_vocab, dtype, masked=masked, with_entropy=with_entropy,
                           gathered_target=gathered, config=config)
@@ -245,7 +244,7 @@ def _window_forward(*key) -> _WindowForward:
 @functools.lru_cache(maxsize=None)
 def _backward_kernel(num_tokens, num_vocab, dtype, masked, with_entropy, entropy_grad,
                      has_d_log_prob, has_d_entropy, inv_tau, wide, config):
-    from jaxops import mosaic_direct as md
+    from jaxops.backends.mosaic import direct as md
 
     kernel = md.backward_kernel(num_tokens, num_vocab, dtype, masked=masked,
                                 with_entropy=with_entropy, entropy_grad=entropy_grad,
@@ -259,7 +258,7 @@ def _backward_kernel(num_tokens, num_vocab, dtype, masked, with_entropy, entropy
 @functools.lru_cache(maxsize=None)
 def _backward_operands(size, num_vocab, dtype, masked, wide, num_saved,
                        num_cotangents) -> list:
-    from jaxops import mosaic_direct as md
+    from jaxops.backends.mosaic import direct as md
 
     padded = md.padded_rows(size)
     return ([(size, num_vocab, dtype)] + [(size, num_vocab, "uint8")] * masked

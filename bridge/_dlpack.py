@@ -211,7 +211,7 @@ class _Device:
         try:
             to_buffer, to_capsule = _private_api()
             probe = torch.arange(64, dtype=torch.float32, device=self.torch_device)
-            stream = self._jax_waits_for_torch() if self.cuda else None
+            stream = self.jax_waits_for_torch() if self.cuda else None
             arr = to_buffer(torch._C._to_dlpack(probe), self.jax_device, stream, False,
                             self.dl_type)
             ok = arr.unsafe_buffer_pointer() == probe.data_ptr()
@@ -258,7 +258,8 @@ class _Device:
         self._wait(self._event, ext)
         return ptr
 
-    def _jax_waits_for_torch(self) -> int:
+    def jax_waits_for_torch(self) -> int:
+        """`_jax_waits_for` torch's current stream: the JAX stream for the next import."""
         return self._jax_waits_for(self._torch_stream())
 
     def begin(self) -> "Transfer":

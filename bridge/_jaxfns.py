@@ -37,11 +37,12 @@ def decode_targets(raw, mode: str):
     return ids_from_words(pairs[:, 0], pairs[:, 1])
 
 
-_JITTED: list = []  # every jitted function made here, for compiled_programs()
+_JITTED: list = []  # every jitted function a `cached` factory made, for compiled_programs()
 
 
-def _cached(make):
-    """lru_cache for the factories below, remembering each jitted function made."""
+def cached(make):
+    """lru_cache for the factories of jitted functions (here and in `_linear_jaxfns.py`),
+    remembering each function made so that `compiled_programs` counts its programs."""
     @functools.lru_cache(maxsize=None)
     @functools.wraps(make)
     def factory(**static):
@@ -58,11 +59,12 @@ def compiled_programs() -> int:
     return sum(fn._cache_size() for fn in _JITTED) + _direct.compiled_launchers()
 
 
-def _pack_outputs(log_prob, entropy):
+def pack_outputs(log_prob, entropy):
+    """log_prob [b] and entropy [b] or None -> outputs [n_out, b]."""
     return jnp.stack([log_prob] + ([entropy] if entropy is not None else []))
 
 
-@_cached
+@cached
 def local_forward(*, shard_index, world, inv_tau, with_entropy, masked, implementation, config,
                   target_mode):
     """world == 1: (outputs [n_out, b], stats [1, K, b]); else this shard's stats [K, b]."""
@@ -78,24 +80,24 @@ def local_forward(*, shard_index, world, inv_tau, with_entropy, masked, implemen
         log_prob, entropy = staged.combine_gathered(
             gathered, targets, num_vocab=logits.shape[-1], with_entropy=with_entropy,
             masked=masked)
-        return _pack_outputs(log_prob, entropy), gathered
+        return pack_outputs(log_prob, entropy), gathered
 
     return jax.jit(fn)
 
 
-@_cached
+@cached
 def combine(*, num_vocab, with_entropy, masked, target_mode):
     """All shards' stats [R, K, b] -> outputs [n_out, b]."""
 
     def fn(gathered, raw_targets):
-        return _pack_outputs(*staged.combine_gathered(
+        return pack_outputs(*staged.combine_gathered(
             gathered, decode_targets(raw_targets, target_mode), num_vocab=num_vocab,
             with_entropy=with_entropy, masked=masked))
 
     return jax.jit(fn)
 
 
-@_cached
+@cached
 def local_backward(*, shard_index, inv_tau, with_entropy, entropy_grad, masked, has_d_log_prob,
                    has_d_entropy, implementation, config, target_mode, write_through):
     """d loss / d logits of this shard, no collective.

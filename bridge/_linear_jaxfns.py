@@ -14,16 +14,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from bridge._jaxfns import _cached, _pack_outputs, decode_targets
+from bridge._jaxfns import cached, decode_targets, pack_outputs
 from jaxops import linear_staged, staged
-from jaxops.linear import chunk_columns, fused_backward_fits, fused_forward_fits
+from jaxops.backends.registry import fused_backward_fits, fused_forward_fits
+from jaxops.linear import chunk_columns
 
 
-@_cached
+@cached
 def local_forward(*, shard_index, world, inv_tau, with_entropy, masked, implementation,
                   config, target_mode, chunk_size, fused_wanted=False):
     """world == 1: (outputs [n_out, b], stats [1, K, b]); else this shard's stats [K, b].
-    `fused_wanted` (`jaxops.linear.fused_forward_wanted`): the fused forward kernel for
+    `fused_wanted` (`registry.fused_forward_wanted`): the fused forward kernel for
     the window sizes it applies to, decided per window size in the trace."""
 
     def fn(hidden, weight, raw_targets, keep_mask):
@@ -41,12 +42,12 @@ def local_forward(*, shard_index, world, inv_tau, with_entropy, masked, implemen
         log_prob, entropy = staged.combine_gathered(
             gathered, targets, num_vocab=weight.shape[0], with_entropy=with_entropy,
             masked=masked)
-        return _pack_outputs(log_prob, entropy), gathered
+        return pack_outputs(log_prob, entropy), gathered
 
     return jax.jit(fn)
 
 
-@_cached
+@cached
 def zero_accumulator():
     """fn(weight) -> fp32 zeros shaped like `weight`. `weight` (a view imported for this
     call) is an argument, kept although unused, so that this computation -- like every
@@ -55,12 +56,12 @@ def zero_accumulator():
     return jax.jit(lambda weight: jnp.zeros(weight.shape, jnp.float32), keep_unused=True)
 
 
-@_cached
+@cached
 def round_accumulator(*, dtype):
     return jax.jit(lambda acc: acc.astype(dtype))
 
 
-@_cached
+@cached
 def local_backward(*, shard_index, inv_tau, with_entropy, entropy_grad, masked,
                    has_d_log_prob, has_d_entropy, implementation, config, target_mode,
                    chunk_size, want_d_hidden, d_weight_mode, fused_wanted=False):
@@ -71,7 +72,7 @@ def local_backward(*, shard_index, inv_tau, with_entropy, entropy_grad, masked,
     chunk's rows rounded once from their fp32 GEMM (`acc` is None); "accumulate" --
     `acc` + this window's d weight, fp32; `acc` is donated, so the windows of a call
     chain one accumulator through with no second copy alive; None: not computed.
-    `fused_wanted`: the d logits from `jaxops.linear_mosaic.backward_logits` (logits
+    `fused_wanted`: the d logits from `jaxops.backends.mosaic.linear.backward_logits` (logits
     recomputed in the kernel) for the window sizes it applies to."""
 
     def fn(hidden, weight, raw_targets, keep_mask, gathered, d_out, acc):

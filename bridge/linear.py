@@ -6,7 +6,7 @@ JAX computes them `chunk_size` vocabulary columns at a time from DLPack views of
 row statistics and drops them; the backward recomputes each chunk and contracts its
 `d logits` into `d hidden` and `d weight` (docs/design.md §10). A window takes the fused
 Mosaic GPU kernels where `jaxops.linear_logprob_entropy` would (the default "pallas" on
-Hopper+, bf16/fp16, no mask; `linear_mosaic.py`): its forward as one fused kernel, and,
+Hopper+, bf16/fp16, no mask; `backends/mosaic/linear.py`): its forward as one fused kernel, and,
 for windows of at most 4096 rows, its backward's d logits from the recomputing kernel.
 
 Data flow of one call (R ranks, K packed statistics per token, row windows w of a few
@@ -40,280 +40,21 @@ What several windows cost over one pass over T (V_loc, H: weight's shape):
     bandwidth; and 4 V_loc H bytes of JAX memory for the accumulator while it lives.
   * d hidden comes back per window and is copied into one `[T, H]` tensor (O(T H)).
 
-Ordering is `_run.py`'s: torch work before `begin()`, JAX after the first import, the
-exports make torch's current stream wait. No host synchronisation by default.
+The engine -- windows, DLPack hand-overs, the all-gather -- is in `_linear_run.py`, as
+`_run.py` is `logprob_entropy`'s; the checks are in `_checks.py`.
 """
 
 from __future__ import annotations
 
-import numbers
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from bridge import _checks, _dlpack, _linear_jaxfns, _run
+from bridge import _checks, _linear_run
 from bridge._autograd import first_order_backward
-from bridge._jaxfns import combine as combine_fn
-from bridge._run import IMPLEMENTATIONS, check_shareable
-from bridge._windows import row_align, row_windows
-from bridge.op import LOGIT_DTYPES, _check_flag, _check_tensor, _group_info, _inv_temperature
-from jaxops import implementations, staged
-from jaxops.linear import chunk_columns, fused_forward_wanted
 
 __all__ = ["linear_logprob_entropy"]
-
-
-# ---------------------------------------------------------------------------
-# validation (all of it before any kernel runs)
-# ---------------------------------------------------------------------------
-
-def _check_same_device(name, t, hidden):
-    if t.device != hidden.device:
-        raise ValueError(f"{name} is on {t.device} but hidden on {hidden.device}; "
-                         "put them on the same device")
-
-
-def validate(hidden, weight, targets, keep_mask, temperature, with_entropy, entropy_grad,
-             chunk_size, implementation, reduce_hidden_grad, process_group):
-    """Raise TypeError/ValueError for a bad call; return (inv_tau, group name, rank, world)."""
-    _check_tensor("hidden", hidden)
-    _check_tensor("weight", weight)
-    _check_tensor("targets", targets)
-    if hidden.dim() != 2:
-        raise ValueError(f"hidden must have shape [T, H], got {tuple(hidden.shape)}")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must have shape [V_loc, H], got {tuple(weight.shape)}")
-    num_tokens, hidden_size = hidden.shape
-    num_vocab = weight.shape[0]
-    if hidden_size < 1 or num_vocab < 1:
-        raise ValueError(f"hidden [T, H] = {tuple(hidden.shape)} and weight [V_loc, H] = "
-                         f"{tuple(weight.shape)} need H >= 1 and V_loc >= 1")
-    if weight.shape[1] != hidden_size:
-        raise ValueError(f"weight [V_loc, H] = {tuple(weight.shape)} does not match hidden "
-                         f"[T, H] = {tuple(hidden.shape)}: H must agree")
-    if hidden.dtype not in LOGIT_DTYPES:
-        raise TypeError(f"hidden must be float32, bfloat16 or float16, got {hidden.dtype}")
-    if weight.dtype != hidden.dtype:
-        raise TypeError(f"hidden and weight must have the same dtype, got {hidden.dtype} "
-                        f"and {weight.dtype}")
-    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
-        raise TypeError(f"targets must hold integer token ids, got dtype {targets.dtype}")
-    if targets.dim() != 1 or targets.shape[0] != num_tokens:
-        raise ValueError(f"targets must have shape [T] = [{num_tokens}] to match hidden "
-                         f"{tuple(hidden.shape)}, got {tuple(targets.shape)}")
-    _check_same_device("weight", weight, hidden)
-    _check_same_device("targets", targets, hidden)
-    if keep_mask is not None:
-        _check_tensor("keep_mask", keep_mask)
-        if keep_mask.dtype != torch.bool:
-            raise TypeError(f"keep_mask must be a bool tensor, got dtype {keep_mask.dtype}")
-        if keep_mask.shape != (num_tokens, num_vocab):
-            raise ValueError(f"keep_mask must have shape [T, V_loc] = "
-                             f"[{num_tokens}, {num_vocab}], got {tuple(keep_mask.shape)}")
-        _check_same_device("keep_mask", keep_mask, hidden)
-    if hidden.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"the bridge supports CPU and CUDA tensors, got {hidden.device}")
-    _check_flag("with_entropy", with_entropy)
-    _check_flag("entropy_grad", entropy_grad)
-    _check_flag("reduce_hidden_grad", reduce_hidden_grad)
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(
-            chunk_size, numbers.Integral) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
-    if implementation not in (None, *IMPLEMENTATIONS):
-        raise ValueError(
-            f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
-    inv_tau = _inv_temperature(temperature)
-    check_shareable("hidden", hidden)
-    check_shareable("weight", weight)
-    if keep_mask is not None:
-        check_shareable("keep_mask", keep_mask)
-    return (inv_tau, *_group_info(process_group))
-
-
-_checked_groups: set = set()
-
-
-def check_shards(group, group_name, hidden, weight, *, every_call: bool):
-    """Every rank must pass the same T, H and V_loc: one small all-gather with a host
-    sync on a group's first call (and on every call when `every_call`), as
-    `_run.check_shards` does for the plain op."""
-    if group_name in _checked_groups and not every_call:
-        return
-    world = dist.get_world_size(group)
-    backend = str(dist.get_backend(group)).lower()
-    device = hidden.device if hidden.device.type == "cuda" and "gloo" not in backend \
-        else torch.device("cpu")
-    mine = torch.tensor([hidden.shape[0], hidden.shape[1], weight.shape[0]],
-                        dtype=torch.int64, device=device)
-    every = torch.empty(world * 3, dtype=torch.int64, device=device)
-    dist.all_gather_into_tensor(every, mine, group=group)
-    shapes = [tuple(s) for s in every.view(world, 3).tolist()]
-    if len(set(shapes)) != 1:
-        listing = ", ".join(f"rank {r}: T={s[0]}, H={s[1]}, V_loc={s[2]}"
-                            for r, s in enumerate(shapes))
-        raise ValueError(
-            "every rank of the vocab-parallel group must pass the same hidden [T, H] and "
-            f"an equal vocabulary shard weight [V_loc, H]; got {listing}")
-    _checked_groups.add(group_name)
-
-
-# ---------------------------------------------------------------------------
-# the work on real tensors
-# ---------------------------------------------------------------------------
-
-class Plan:
-    """One call's torch inputs on one device, cut into row windows (torch views)."""
-
-    __slots__ = ("dev", "hidden", "weight", "mask", "raw_targets", "target_mode", "words",
-                 "windows", "implementation", "config", "num_tokens", "num_vocab",
-                 "fused_wanted")
-
-    def __init__(self, hidden, weight, targets, keep_mask, implementation, chunk_size=None):
-        dev = self.dev = _dlpack.device(hidden.device)
-        self.hidden = _run.big("hidden", hidden, dev)
-        self.weight = _run.big("weight", weight, dev)
-        self.mask = None if keep_mask is None else _run.big("keep_mask", keep_mask, dev)
-        self.raw_targets, self.target_mode, self.words = _run._raw_targets(targets, dev)
-        # As jaxops.linear_logprob_entropy decides: the kernels read fp32 logits one
-        # vocabulary chunk at a time, and the mask as bool.
-        chunk = chunk_columns(hidden.shape[0], weight.shape[0], chunk_size)
-        self.implementation, self.config = _run.implementation_for(
-            implementation, dev, num_vocab=chunk, itemsize=4,
-            mask_dtype=None if keep_mask is None else np.bool_)
-        # The fused kernels as the JAX op takes them (its own config only names the
-        # chunks' kernels); each window size then checks its shapes.
-        self.fused_wanted = fused_forward_wanted(*implementations.resolve(
-            implementation or None, "cuda" if dev.cuda else "cpu"))
-        self.num_tokens, self.num_vocab = hidden.shape[0], weight.shape[0]
-        # Every window must start aligned in hidden and in the mask; both alignments
-        # are powers of two, so the larger serves both.
-        align = row_align(hidden.shape[1] * hidden.element_size(), dev.alignment)
-        if keep_mask is not None:
-            align = max(align, row_align(self.num_vocab, dev.alignment))
-        self.windows = row_windows(self.num_tokens, align)
-
-    def rows(self, t, w, per_token=1):
-        return t[w.start * per_token:(w.start + w.size) * per_token]
-
-    def window_inputs(self, w):
-        """Torch tensors of window w that JAX imports: (hidden, targets words, mask)."""
-        return (self.rows(self.hidden, w),
-                _run.small(self.rows(self.raw_targets, w, self.words), self.dev),
-                None if self.mask is None else self.rows(self.mask, w))
-
-
-def _import(xfer, tensors):
-    return tuple(None if t is None else xfer.to_jax(t) for t in tensors)
-
-
-class ForwardState:
-    """What the backward reuses: the JAX views of each window's inputs and each
-    window's statistics `[R, K, b]` (the backward imports the weight again)."""
-
-    __slots__ = ("plan", "views", "stats")
-
-    def __init__(self, plan, views, stats):
-        self.plan, self.views, self.stats = plan, views, stats
-
-
-def forward(plan: Plan, inv_tau, with_entropy, chunk_size, group_name, rank, world):
-    """-> (outputs [n_out, T] float32 torch, ForwardState)."""
-    masked = plan.mask is not None
-    fn = _linear_jaxfns.local_forward(
-        shard_index=rank, world=world, inv_tau=inv_tau, with_entropy=with_entropy,
-        masked=masked, implementation=plan.implementation, config=plan.config,
-        target_mode=plan.target_mode, chunk_size=chunk_size, fused_wanted=plan.fused_wanted)
-    inputs = [plan.window_inputs(w) for w in plan.windows]
-    xfer = plan.dev.begin()
-    j_weight = xfer.to_jax(plan.weight)  # the first import: an input of the first window
-    views = [_import(xfer, t) for t in inputs]
-    if world == 1:
-        results = [fn(v[0], j_weight, v[1], v[2]) for v in views]
-        outputs = _run.assemble(plan, [xfer.to_torch(o) for o, _ in results],
-                                (1 + with_entropy,))
-        return outputs, ForwardState(plan, views, [s for _, s in results])
-
-    num_stats = staged.num_packed(with_entropy, masked)
-    packed = _run.assemble(plan, [xfer.to_torch(fn(v[0], j_weight, v[1], v[2]))
-                                  for v in views], (num_stats,))
-    flat = torch.empty((world * num_stats, plan.num_tokens), dtype=torch.float32,
-                       device=packed.device)
-    dist.all_gather_into_tensor(flat, packed, group=_run.resolve_group(group_name))  # the one
-    stats = flat.view(world, num_stats, plan.num_tokens)
-    stat_windows = [_run.small(stats[:, :, w.start:w.start + w.size], plan.dev)
-                    for w in plan.windows]
-    xfer.resync()  # JAX waits (on the GPU) for the all-gather and the copies above
-    combine = combine_fn(num_vocab=plan.num_vocab, with_entropy=with_entropy, masked=masked,
-                         target_mode=plan.target_mode)
-    j_stats = [xfer.to_jax(s) for s in stat_windows]
-    outputs = _run.assemble(plan, [xfer.to_torch(combine(s, v[1]))
-                                   for s, v in zip(j_stats, views)], (1 + with_entropy,))
-    return outputs, ForwardState(plan, views, j_stats)
-
-
-def backward(state: ForwardState, d_log_prob, d_entropy, inv_tau, with_entropy, entropy_grad,
-             chunk_size, rank, want_d_hidden, want_d_weight):
-    """-> (d hidden [T, H] in hidden's dtype (this rank's part) or None,
-           d weight [V_loc, H] in weight's dtype or None). No collective."""
-    plan, dev = state.plan, state.plan.dev
-    grads = [g for g in (d_log_prob, d_entropy) if g is not None]
-    d_out = (torch.stack(grads, dim=1) if len(grads) == 2 else grads[0].unsqueeze(1)).float()
-    d_windows = []
-    for w in plan.windows:
-        d = plan.rows(d_out, w)
-        if w.skip:
-            # Rows an earlier window already did: a zero cotangent makes them add
-            # exactly nothing to d weight (d hidden of these rows is discarded).
-            d = d.clone()
-            d[:w.skip] = 0
-        d_windows.append(_run.small(d, dev))
-    xfer = dev.begin()  # JAX waits for every torch op above
-    # The weight again (not the forward's view): as this call's first import it is an
-    # input of its first computation, which orders that after torch's stream.
-    j_weight = xfer.to_jax(plan.weight)
-    j_d = [xfer.to_jax(d) for d in d_windows]
-    # One window: d weight comes out in its dtype, with no fp32 accumulator at all.
-    mode = None if not want_d_weight else (
-        "direct" if len(plan.windows) == 1 else "accumulate")
-    fn = _linear_jaxfns.local_backward(
-        shard_index=rank, inv_tau=inv_tau, with_entropy=with_entropy,
-        entropy_grad=entropy_grad, masked=plan.mask is not None,
-        has_d_log_prob=d_log_prob is not None, has_d_entropy=d_entropy is not None,
-        implementation=plan.implementation, config=plan.config,
-        target_mode=plan.target_mode, chunk_size=chunk_size,
-        want_d_hidden=want_d_hidden, d_weight_mode=mode, fused_wanted=plan.fused_wanted)
-    acc = _linear_jaxfns.zero_accumulator()(j_weight) if mode == "accumulate" else None
-    pieces = []
-    for v, s, d in zip(state.views, state.stats, j_d):
-        d_hidden_w, d_weight_w = fn(v[0], j_weight, v[1], v[2], s, d, acc)
-        acc = d_weight_w if mode == "accumulate" else None
-        pieces.append(d_hidden_w)
-    d_weight = None
-    if mode == "direct":
-        d_weight = xfer.to_torch(d_weight_w)
-    elif mode == "accumulate":
-        if plan.weight.dtype != torch.float32:
-            acc = _linear_jaxfns.round_accumulator(dtype=_jax_dtype(plan.weight.dtype))(acc)
-        d_weight = xfer.to_torch(acc)
-    d_hidden = None
-    if want_d_hidden:
-        # Every JAX computation is queued before any exported piece can be freed.
-        pieces = [xfer.to_torch(p) for p in pieces]
-        if len(pieces) == 1 and plan.windows[0].size == plan.num_tokens:
-            d_hidden = pieces[0]
-        else:
-            d_hidden = plan.hidden.new_empty(plan.hidden.shape)
-            for w, piece in zip(plan.windows, pieces):
-                d_hidden[w.start + w.skip:w.start + w.size] = piece[w.skip:]
-    return d_hidden, d_weight
-
-
-def _jax_dtype(dtype: torch.dtype):
-    import jax.numpy as jnp
-
-    return {torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16}[dtype]
 
 
 # ---------------------------------------------------------------------------
@@ -323,6 +64,22 @@ def _jax_dtype(dtype: torch.dtype):
 def _empty_outputs(hidden, with_entropy):
     empty = hidden.new_empty((0,), dtype=torch.float32)
     return empty, (hidden.new_empty((0,), dtype=torch.float32) if with_entropy else None)
+
+
+def _start_forward(hidden, weight, targets, keep_mask, inv_tau, with_entropy, chunk_size,
+                   implementation, group_name, rank, world, *, check_every_call):
+    """Checks, then the forward for T > 0: (outputs [n_out, T], state)."""
+    plan = _linear_run.Plan(hidden, weight, targets, keep_mask, implementation,
+                            chunk_size)  # local checks first
+    if world > 1:
+        # Not refused here, unlike in the plain op: a group whose backend names NCCL
+        # with CPU tensors ("cpu:gloo,cuda:nccl" serves them through gloo).
+        _checks.check_shards(
+            group_name, {"T": hidden.shape[0], "H": hidden.shape[1], "V_loc": weight.shape[0]},
+            hidden, every_call=check_every_call, refuse_nccl_off_cuda=False,
+            expected="the same hidden [T, H] and an equal vocabulary shard weight [V_loc, H]")
+    return _linear_run.forward(plan, inv_tau, with_entropy, chunk_size, group_name, rank,
+                               world)
 
 
 class _LinearFunction(torch.autograd.Function):
@@ -343,12 +100,9 @@ class _LinearFunction(torch.autograd.Function):
             ctx.state = None
             lp, ent = _empty_outputs(hidden, with_entropy)
         else:
-            plan = Plan(hidden, weight, targets, keep_mask, implementation, chunk_size)
-            if world > 1:
-                check_shards(_run.resolve_group(group_name), group_name, hidden, weight,
-                             every_call=check_every_call)
-            outputs, ctx.state = forward(plan, inv_tau, with_entropy, chunk_size,
-                                         group_name, rank, world)
+            outputs, ctx.state = _start_forward(
+                hidden, weight, targets, keep_mask, inv_tau, with_entropy, chunk_size,
+                implementation, group_name, rank, world, check_every_call=check_every_call)
             lp, ent = outputs[0], (outputs[1] if with_entropy else None)
         if ent is not None and not entropy_grad:
             ctx.mark_non_differentiable(ent)
@@ -373,11 +127,11 @@ def _linear_backward(ctx, d_log_prob, d_entropy):
     if ctx.state is None:  # T = 0: nothing to compute, nothing to reduce
         return (torch.zeros_like(hidden) if want_d_hidden else None,
                 torch.zeros_like(weight) if want_d_weight else None) + nones
-    d_hidden, d_weight = backward(ctx.state, d_log_prob, d_entropy, inv_tau, with_entropy,
-                                  entropy_grad, chunk_size, rank, want_d_hidden,
-                                  want_d_weight)
+    d_hidden, d_weight = _linear_run.backward(
+        ctx.state, d_log_prob, d_entropy, inv_tau, with_entropy, entropy_grad, chunk_size,
+        rank, want_d_hidden, want_d_weight)
     if d_hidden is not None and reduce_hidden_grad and world > 1:
-        dist.all_reduce(d_hidden, group=_run.resolve_group(group_name))
+        dist.all_reduce(d_hidden, group=_checks.resolve_group(group_name))
     return (d_hidden, d_weight) + nones
 
 
@@ -458,7 +212,7 @@ def linear_logprob_entropy(
       `weight` through torch autograd, in their dtypes (accumulated in float32, rounded
       once); a gradient that autograd does not need is not computed.
     """
-    inv_tau, group_name, rank, world = validate(
+    inv_tau, group_name, rank, world = _checks.validate_linear(
         hidden, weight, targets, keep_mask, temperature, with_entropy, entropy_grad,
         chunk_size, implementation, reduce_hidden_grad, process_group)
     chunk_size = None if chunk_size is None else int(chunk_size)

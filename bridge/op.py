@@ -1,8 +1,10 @@
-"""`logprob_entropy` for torch tensors: validation, the custom op and its autograd.
+"""`logprob_entropy` for torch tensors: the public function, the custom op and its autograd.
 
 The work itself -- row windows, DLPack hand-overs, the one all-gather -- is in
-`_run.py`. Saved between forward and backward: the input tensors (references, no
-copies) and the gathered statistics, O(R K T) floats -- never a [T, V] softmax.
+`_run.py`, as `_linear_run.py` is `linear_logprob_entropy`'s; the checks, all of them
+before any kernel runs, are in `_checks.py`. Saved between forward and backward: the
+input tensors (references, no copies) and the gathered statistics, O(R K T) floats --
+never a [T, V] softmax.
 
 Two routes into the same implementation:
 * `torch.ops.jaxops_bridge.logprob_entropy_fwd/_bwd`, a `torch.library.custom_op` pair
@@ -15,107 +17,15 @@ Two routes into the same implementation:
 
 from __future__ import annotations
 
-import numbers
 from typing import Optional
 
 import torch
-import torch.distributed as dist
 
 from bridge import _checks, _run
 from bridge._autograd import first_order_backward
-from bridge._run import IMPLEMENTATIONS, check_shareable
 from jaxops import staged
 
-LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 USE_CUSTOM_OP_IN_EAGER = False
-
-
-# ---------------------------------------------------------------------------
-# validation (all of it before any kernel runs)
-# ---------------------------------------------------------------------------
-
-def _check_tensor(name, x):
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-
-
-def _check_flag(name, x):
-    if not isinstance(x, bool):
-        raise TypeError(f"{name} must be a bool, got {x!r}")
-
-
-def _inv_temperature(temperature) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real):
-        raise TypeError(
-            f"temperature must be a Python number (it is compiled into the kernel), "
-            f"got {type(temperature).__name__}")
-    tau = float(temperature)
-    if not (tau > 0 and tau != float("inf")):
-        raise ValueError(f"temperature must be finite and > 0, got {tau}")
-    return 1.0 / tau
-
-
-def _group_info(process_group):
-    """(group name, rank, size) of the vocab-parallel group; ("", 0, 1) without one."""
-    if process_group is None:
-        return "", 0, 1
-    if not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(
-            f"process_group must be a torch.distributed.ProcessGroup or None, "
-            f"got {type(process_group).__name__}")
-    world = dist.get_world_size(process_group)
-    if world == 1:
-        return "", 0, 1
-    return process_group.group_name, dist.get_rank(process_group), world
-
-
-def validate(logits, targets, keep_mask, temperature, with_entropy, entropy_grad,
-             process_group, implementation):
-    """Raise TypeError/ValueError for a bad call; return (inv_tau, group name, rank, world)."""
-    _check_tensor("logits", logits)
-    _check_tensor("targets", targets)
-    if logits.dim() != 2:
-        raise ValueError(f"logits must have shape [T, V_loc], got {tuple(logits.shape)}")
-    if logits.dtype not in LOGIT_DTYPES:
-        raise TypeError(f"logits must be float32, bfloat16 or float16, got {logits.dtype}")
-    num_tokens, num_vocab = logits.shape
-    if num_vocab < 1:
-        raise ValueError(
-            f"logits must have at least one vocabulary column, got {tuple(logits.shape)}")
-    if targets.is_floating_point() or targets.is_complex() or targets.dtype == torch.bool:
-        raise TypeError(f"targets must hold integer token ids, got dtype {targets.dtype}")
-    if targets.dim() != 1 or targets.shape[0] != num_tokens:
-        raise ValueError(
-            f"targets must have shape [T] = [{num_tokens}] to match logits "
-            f"{tuple(logits.shape)}, got {tuple(targets.shape)}")
-    if targets.device != logits.device:
-        raise ValueError(
-            f"targets are on {targets.device} but logits on {logits.device}; "
-            "put them on the same device")
-    if keep_mask is not None:
-        _check_tensor("keep_mask", keep_mask)
-        if keep_mask.dtype != torch.bool:
-            raise TypeError(f"keep_mask must be a bool tensor, got dtype {keep_mask.dtype}")
-        if keep_mask.shape != logits.shape:
-            raise ValueError(
-                f"keep_mask must have the logits' shape {tuple(logits.shape)}, "
-                f"got {tuple(keep_mask.shape)}")
-        if keep_mask.device != logits.device:
-            raise ValueError(
-                f"keep_mask is on {keep_mask.device} but logits on {logits.device}; "
-                "put them on the same device")
-    if logits.device.type not in ("cpu", "cuda"):
-        raise ValueError(f"the bridge supports CPU and CUDA tensors, got {logits.device}")
-    _check_flag("with_entropy", with_entropy)
-    _check_flag("entropy_grad", entropy_grad)
-    if implementation not in (None, *IMPLEMENTATIONS):
-        raise ValueError(
-            f"implementation must be None or one of {IMPLEMENTATIONS}, got {implementation!r}")
-    inv_tau = _inv_temperature(temperature)
-    check_shareable("logits", logits)
-    if keep_mask is not None:
-        check_shareable("keep_mask", keep_mask)
-    return (inv_tau, *_group_info(process_group))
 
 
 # ---------------------------------------------------------------------------
@@ -134,8 +44,11 @@ def _start_forward(logits, targets, keep_mask, inv_tau, with_entropy, implementa
     """Checks, then the forward for T > 0: (outputs [n_out, T], stats or None, state)."""
     plan = _run.Plan(logits, targets, keep_mask, implementation)  # local checks first
     if world > 1:
-        _run.check_shards(_run.resolve_group(group_name), group_name, logits,
-                          every_call=check_every_call)
+        _checks.check_shards(
+            group_name, {"T": logits.shape[0], "V_loc": logits.shape[1]}, logits,
+            every_call=check_every_call,
+            expected="logits of the same shape [T, V_loc] (equal vocabulary shards, rank r "
+                     "holding columns [r * V_loc, (r + 1) * V_loc))")
     return _run.forward(plan, inv_tau, with_entropy, group_name, rank, world,
                         want_stats=want_stats)
 
@@ -354,7 +267,7 @@ def logprob_entropy(
       `(log_prob [T] float32, entropy [T] float32 or None)`. Gradients flow to `logits`
       through torch autograd, in the logits' dtype (accumulated in float32, rounded once).
     """
-    inv_tau, group_name, rank, world = validate(
+    inv_tau, group_name, rank, world = _checks.validate_logits(
         logits, targets, keep_mask, temperature, with_entropy, entropy_grad,
         process_group, implementation)
     implementation = implementation or ""

@@ -164,7 +164,7 @@ def run_rank(rank, world, device, args):
     warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*is deprecated")
     import bridge  # before anything starts JAX (GPU memory policy)
     import megatron.core.jit as megatron_jit
-    from bridge import _direct, _jaxfns, _windows
+    from bridge import diagnostics
 
     megatron_jit.disable_jit_fuser()  # Megatron's fused CE, eager (same arithmetic)
     from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
@@ -174,15 +174,15 @@ def run_rank(rank, world, device, args):
     params = [p for p in model.parameters()]
     optimizer = torch.optim.Adam(params, lr=1e-3)
     cuda = device.type == "cuda"
-    jax_device = bridge._dlpack.device(device).jax_device if cuda else None
+    jax_device = diagnostics.jax_device(device) if cuda else None
     # programs per power-of-two window size. Through JAX: forward and backward, + the
     # combine after the all-gather when the vocabulary is split. The direct route (one
     # shard on a Hopper GPU): the statistics kernels (partials + finish, or one kernel
     # where V_loc is a single vocabulary chunk) and the backward kernel.
-    direct = cuda and world == 1 and _direct._ready()
+    direct = cuda and world == 1 and diagnostics.direct_route_ready()
     per_window = 3 if direct or world > 1 else 2
     bound = per_window * (max(args.max_tokens - 1, 1).bit_length() + 1)
-    compiled_before = _jaxfns.compiled_programs()
+    compiled_before = diagnostics.compiled_programs()
     log, failures, reserved = [], [], []
 
     def train_step(T, tokens, advantages):
@@ -230,7 +230,7 @@ def run_rank(rank, world, device, args):
 
     for step, (T, tokens, advantages) in enumerate(micro_batches(args)):
         loss, err_ref, err_meg = train_step(T, tokens, advantages)
-        compiled = _jaxfns.compiled_programs() - compiled_before
+        compiled = diagnostics.compiled_programs() - compiled_before
         optimizer.step()
         mem = None
         if cuda:
@@ -239,7 +239,7 @@ def run_rank(rank, world, device, args):
                    stats.get("pool_bytes", stats.get("bytes_reserved", 0)),
                    torch.cuda.memory_allocated(device))
             reserved.append(mem)
-        windows = len(_windows.row_windows(T))
+        windows = len(diagnostics.row_windows(T))
         log.append((step, T, windows, loss, err_ref, err_meg, compiled, mem))
         if err_ref > 1e-5:
             failures.append(f"step {step} (T = {T}): d params vs float64 {err_ref:.2e} > 1e-5")

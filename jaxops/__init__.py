@@ -1,10 +1,10 @@
 """Fused vocab-parallel log-prob and entropy for RL post-training, in JAX/Pallas."""
 
 from jaxops.api import logprob_entropy
-from jaxops.implementations import IMPLEMENTATIONS
-from jaxops.implementations import default as default_implementation
+from jaxops.backends.registry import IMPLEMENTATIONS
+from jaxops.backends.registry import default as default_implementation
+from jaxops.backends.triton.config import PallasConfig
 from jaxops.linear import linear_logprob_entropy
-from jaxops.pallas_config import PallasConfig
 from jaxops.reference import logprob_entropy_reference
 from jaxops.sharding import vocab_parallel_logprob_entropy
 

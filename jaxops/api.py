@@ -6,9 +6,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxops import implementations, validate
+from jaxops import validate
+from jaxops.backends import registry
+from jaxops.backends.triton.config import PallasConfig
 from jaxops.combine import combine, shard_targets, unflatten
-from jaxops.pallas_config import PallasConfig
 from jaxops.reference import logprob_entropy_reference
 from jaxops.stats import local_stats
 
@@ -43,7 +44,7 @@ def logprob_entropy(
       entropy_grad: if False, entropy is returned but is a constant for autodiff.
       implementation: None ("pallas" on GPU, "xla" elsewhere); "pallas": the Pallas
         backend measured faster for this call's V, dtype and mask dtype on this GPU
-        (`implementations.pallas_backend`; the Triton kernels in interpret mode
+        (`registry.pallas_backend`; the Triton kernels in interpret mode
         off-GPU); "pallas_triton" or "pallas_mosaic" (Hopper+) by name; "xla" or
         "reference".
       axis_name: inside `shard_map` over the vocabulary, the mesh axis the
@@ -65,14 +66,14 @@ def logprob_entropy(
       outside `[0, V)` raise ValueError in eager calls; under `jit` (where
       values are unknown) those rows' log-prob is NaN.
     """
-    impl, config = implementations.resolve(implementation, pallas_config=pallas_config)
+    impl, config = registry.resolve(implementation, pallas_config=pallas_config)
     tau = validate.check_op_call(
         logits, targets, keep_mask, impl, temperature=temperature, with_entropy=with_entropy,
         entropy_grad=entropy_grad, axis_name=axis_name, device_array=logits)
 
     lead_shape, num_vocab = tuple(logits.shape[:-1]), logits.shape[-1]
     num_tokens = int(np.prod(lead_shape))
-    impl, config = implementations.for_call(
+    impl, config = registry.for_call(
         impl, config, pallas_config, num_vocab=num_vocab, itemsize=jnp.dtype(logits.dtype).itemsize,
         mask_dtype=None if keep_mask is None else keep_mask.dtype)
     if num_tokens == 0:
@@ -82,10 +83,10 @@ def logprob_entropy(
     flat_logits = jnp.reshape(logits, (num_tokens, num_vocab))
     flat_targets = jnp.reshape(targets, (num_tokens,))
     flat_mask = None if keep_mask is None else jnp.reshape(keep_mask, (num_tokens, num_vocab))
-    if flat_mask is not None and impl != "pallas_mosaic":
+    if flat_mask is not None and impl != registry.MOSAIC:
         flat_mask = flat_mask.astype(jnp.bool_)  # uint8: nonzero = kept; bool: no-op
 
-    if impl == "reference":
+    if impl == registry.REFERENCE:
         log_prob, entropy = logprob_entropy_reference(
             flat_logits, flat_targets, flat_mask, tau, with_entropy, entropy_grad)
     else:

@@ -1,4 +1,4 @@
-"""What every statistics implementation (`xla.py`, `pallas_gpu.py`) provides and returns.
+"""What every statistics implementation (`backends/xla.py`, `backends/triton/kernels.py`) provides and returns.
 
 A leaf module: it imports nothing from `jaxops`, so the implementations, `stats.py`,
 `combine.py` and `staged.py` can all depend on it without an import cycle.
@@ -70,6 +70,15 @@ class LocalStats(NamedTuple):
     target_logit: jax.Array  # x_y if the target lives on this shard, else 0
     masked_max: jax.Array | None  # r, the reference point of masked_sum_exp (see above)
     masked_sum_exp: jax.Array | None  # sum over kept_j of exp(x_j - r); None without a mask
+
+
+def present_fields(with_entropy: bool, masked: bool) -> tuple[str, ...]:
+    """The `LocalStats` fields a forward returns (the others are None), in `LocalStats`
+    order: every packing of the statistics (`staged.py`) uses this order. A new
+    statistic is a new field of `LocalStats` and, if optional, a flag here."""
+    optional = {"sum_exp_shifted": with_entropy, "masked_max": masked,
+                "masked_sum_exp": masked}
+    return tuple(f for f in LocalStats._fields if optional.get(f, True))
 
 
 class BackwardCoefs(NamedTuple):
@@ -146,3 +155,17 @@ def varying_struct(shape, dtype, *like) -> jax.ShapeDtypeStruct:
             shape, dtype, manual_axis_type=jax.sharding.ManualAxisType(varying=varying))
     except (AttributeError, TypeError):  # the older spelling of the same field
         return jax.ShapeDtypeStruct(shape, dtype, vma=varying)
+
+
+def vary_like(x, *like):
+    """`x` typed as varying over every mesh axis that `like` vary over (check_vma=True);
+    unchanged elsewhere. Its transpose sums the cotangent over the added axes. Mosaic GPU
+    kernels need it on their outputs: `plgpu.kernel` traces with the check off, so their
+    outputs come back invariant whatever `out_type` declares."""
+    missing = tuple(sorted(varying_axes(*like) - varying_axes(x)))
+    if not missing:
+        return x
+    from jax import lax
+
+    pcast = getattr(lax, "pcast", None)
+    return pcast(x, missing, to="varying") if pcast else lax.pvary(x, missing)

@@ -10,11 +10,11 @@ inside the custom VJP:
             the running O(T) row statistics (an online log-sum-exp over chunks, the
             same merge as over vocabulary shards). On Hopper+ GPUs, for bf16/fp16 (with
             a keep mask: V_loc % 16 == 0), instead one Mosaic GPU kernel that folds each wgmma tile of
-            logits into the statistics in registers (`linear_mosaic.py`; no chunk of
+            logits into the statistics in registers (`mosaic_linear.py`; no chunk of
             logits in HBM at all; beyond T = 4096 one launch per 2048 rows).
   backward  for each chunk (the narrower tail chunk first): recompute logits_c,
             `backward_logits` -> d logits_c (on Hopper+, bf16/fp16, T <= 4096:
-            both in one Mosaic GPU kernel, `linear_mosaic.backward_logits`), then
+            both in one Mosaic GPU kernel, `mosaic_linear.backward_logits`), then
             d weight_c = d logits_c^T @ hidden (complete: one GEMM over all T, written
             once) and d hidden += d logits_c @ weight_c (an fp32 `[T, H]` accumulator).
 
@@ -44,10 +44,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxops import implementations, stats, validate
+from jaxops import stats, validate
+from jaxops.backends import registry
+from jaxops.backends.triton.config import PallasConfig
 from jaxops.combine import combine, shard_targets, unflatten
-from jaxops.contract import LocalStats, backward_coefs, varying_axes
-from jaxops.pallas_config import PallasConfig
+from jaxops.contract import LocalStats, backward_coefs, vary_like
 from jaxops.reference import logprob_entropy_reference
 
 # The default chunk: its fp32 logits take at most 1/24 of the bf16 [T, V_loc] logits'
@@ -88,16 +89,6 @@ def _dot(a, b, dims, out_dtype):
 def _logits(hidden, weight_c):
     """[T, H] @ [C, H]^T with fp32 accumulation, kept in fp32 (float64 stays float64)."""
     return _dot(hidden, weight_c, ((1,), (1,)), jnp.promote_types(hidden.dtype, jnp.float32))
-
-
-def _vary_like(x, *like):
-    """`x` typed as varying over every mesh axis that `like` vary over (check_vma=True);
-    unchanged elsewhere. Its transpose sums the cotangent over the added axes."""
-    missing = tuple(sorted(varying_axes(*like) - varying_axes(x)))
-    if not missing:
-        return x
-    pcast = getattr(lax, "pcast", None)
-    return pcast(x, missing, to="varying") if pcast else lax.pvary(x, missing)
 
 
 def _over_columns(body, carry, weight, keep_mask, local_targets, chunk: int,
@@ -163,7 +154,7 @@ def _merge(acc: LocalStats, part: LocalStats) -> LocalStats:
 
 def _empty_stats(num_tokens, with_entropy, masked, like) -> LocalStats:
     """The statistics of no columns: the identity of `_merge`."""
-    neg = _vary_like(jnp.full((num_tokens,), -jnp.inf, jnp.float32), *like)
+    neg = vary_like(jnp.full((num_tokens,), -jnp.inf, jnp.float32), *like)
     zero = jnp.zeros_like(neg)
     return LocalStats(max_logit=neg, sum_exp=zero,
                       sum_exp_shifted=zero if with_entropy else None, target_logit=zero,
@@ -172,21 +163,21 @@ def _empty_stats(num_tokens, with_entropy, masked, like) -> LocalStats:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8, 9, 10, 11))
-def _linear_local_stats(hidden, weight, local_targets, keep_mask, inv_tau, with_entropy,
+def linear_local_stats(hidden, weight, local_targets, keep_mask, inv_tau, with_entropy,
                         entropy_grad, implementation, config, chunk, fused_forward=False,
                         fused_backward=False):
     """`stats.local_stats(hidden @ weight.T, ...)`, vocabulary chunk by chunk, or with
-    `fused_forward` in one Mosaic GPU kernel (`linear_mosaic`).
-    `fused_backward`: the backward's d logits from `linear_mosaic.backward_logits`.
+    `fused_forward` in one Mosaic GPU kernel (`backends/mosaic/linear.py`).
+    `fused_backward`: the backward's d logits from `mosaic_linear.backward_logits`.
     keep_mask `[T, V_loc]` bool or uint8 (nonzero = kept) or None."""
     del entropy_grad
     if fused_forward:
-        from jaxops import linear_mosaic
+        from jaxops.backends.mosaic import linear as mosaic_linear
 
-        return linear_mosaic.forward_stats(
+        return mosaic_linear.forward_stats(
             hidden, weight, local_targets, keep_mask, inv_tau=inv_tau,
             with_entropy=with_entropy, interpret=bool(getattr(config, "interpret", False)))
-    kernels = implementations.kernels(implementation)
+    kernels = registry.kernels(implementation)
 
     def body(acc, start, weight_c, mask_c, targets_c):
         del start
@@ -199,10 +190,10 @@ def _linear_local_stats(hidden, weight, local_targets, keep_mask, inv_tau, with_
     return _over_columns(body, init, weight, keep_mask, local_targets, chunk)
 
 
-def _linear_local_stats_fwd(hidden, weight, local_targets, keep_mask, inv_tau, with_entropy,
+def _local_stats_fwd(hidden, weight, local_targets, keep_mask, inv_tau, with_entropy,
                             entropy_grad, implementation, config, chunk, fused_forward=False,
                             fused_backward=False):
-    stats = _linear_local_stats(hidden, weight, local_targets, keep_mask, inv_tau,
+    stats = linear_local_stats(hidden, weight, local_targets, keep_mask, inv_tau,
                                 with_entropy, entropy_grad, implementation, config, chunk,
                                 fused_forward, fused_backward)
     residuals = (hidden, weight, local_targets, keep_mask, stats.max_logit, stats.masked_max)
@@ -225,9 +216,9 @@ def chunked_backward(hidden, weight, local_targets, keep_mask, max_logit, masked
       * `want_d_weight=True` (and no accumulator): returned in weight's dtype, each
         chunk's rows rounded once from their fp32 GEMM;
       * neither: not computed.
-    `fused_logits`: each chunk's d logits from `linear_mosaic.backward_logits`, which
+    `fused_logits`: each chunk's d logits from `mosaic_linear.backward_logits`, which
     recomputes the logits in the kernel (no fp32 `[T, C]` chunk; the caller checks
-    `linear_mosaic.applies`), and d weight's rows straight from their GEMM in weight's
+    `mosaic_linear.applies`), and d weight's rows straight from their GEMM in weight's
     dtype (no fp32 `[C, H]` either: see the body).
     Returns (d hidden `[T, H]` in hidden's dtype or None without `want_d_hidden`,
     d weight or None)."""
@@ -236,12 +227,12 @@ def chunked_backward(hidden, weight, local_targets, keep_mask, max_logit, masked
     if d_weight is not None:
         out_weight, accumulate = d_weight, True
     elif want_d_weight:
-        out_weight, accumulate = _vary_like(jnp.zeros(weight.shape, weight.dtype), weight), False
+        out_weight, accumulate = vary_like(jnp.zeros(weight.shape, weight.dtype), weight), False
     else:
         out_weight, accumulate = None, False
     d_hidden = None
     if want_d_hidden:
-        d_hidden = _vary_like(jnp.zeros(hidden.shape, acc), hidden, weight, local_targets)
+        d_hidden = vary_like(jnp.zeros(hidden.shape, acc), hidden, weight, local_targets)
 
     def body(carry, start, weight_c, mask_c, targets_c):
         d_hidden, out_weight = carry
@@ -284,13 +275,14 @@ def chunked_backward(hidden, weight, local_targets, keep_mask, max_logit, masked
 
 def _fused_backward_logits(hidden, weight_c, targets_c, mask_c, max_logit, masked_max,
                            coefs, *, inv_tau, out_dtype, config):
-    """d logits `[T, C]` from `linear_mosaic.backward_logits` (the logits recomputed in
+    """d logits `[T, C]` from `mosaic_linear.backward_logits` (the logits recomputed in
     the kernel), differentiable through XLA's `backward_logits` of the same logits
     (`stats.with_xla_derivative`)."""
-    from jaxops import linear_mosaic, xla
+    from jaxops.backends.mosaic import linear as mosaic_linear
+    from jaxops.backends import xla
 
     def kernel(hidden, weight_c, targets_c, mask_c, max_logit, masked_max, coefs):
-        return linear_mosaic.backward_logits(
+        return mosaic_linear.backward_logits(
             hidden, weight_c, targets_c, max_logit, coefs, mask_c, masked_max,
             inv_tau=inv_tau, out_dtype=out_dtype,
             interpret=bool(getattr(config, "interpret", False)))
@@ -303,7 +295,7 @@ def _fused_backward_logits(hidden, weight_c, targets_c, mask_c, max_logit, maske
                                                       max_logit, masked_max, coefs)
 
 
-def _linear_local_stats_bwd(inv_tau, with_entropy, entropy_grad, implementation, config,
+def _local_stats_bwd(inv_tau, with_entropy, entropy_grad, implementation, config,
                             chunk, fused_forward, fused_backward, residuals, cotangents):
     del fused_forward
     hidden, weight, local_targets, keep_mask, max_logit, masked_max = residuals
@@ -315,79 +307,7 @@ def _linear_local_stats_bwd(inv_tau, with_entropy, entropy_grad, implementation,
     return d_hidden, d_weight, None, None
 
 
-_linear_local_stats.defvjp(_linear_local_stats_fwd, _linear_local_stats_bwd)
-
-
-def fused_forward_wanted(impl: str, config, pallas_config=None) -> bool:
-    """Whether a call resolved to `impl` (with `config`, from `implementations.resolve`)
-    asks for the fused forward kernel (`linear_mosaic`) where its shapes allow: "pallas"
-    on a Hopper+ GPU, and "pallas_mosaic" (also in interpret mode off-GPU). A
-    `pallas_config` that is a `PallasConfig` (the Triton kernels' parameters) keeps
-    the chunked forward."""
-    if impl == "pallas":
-        return (not config.interpret and not isinstance(pallas_config, PallasConfig)
-                and implementations.mosaic_available())
-    return impl == "pallas_mosaic"
-
-
-def fused_backward_fits(num_tokens, hidden_size, num_vocab, dtype, masked,
-                        chunk: int | None = None) -> bool:
-    """Whether the backward's d logits come from `linear_mosaic.backward_logits` for
-    these shapes (where the fused kernels are wanted): where the fused forward fits, up
-    to `linear_mosaic.MAX_FUSED_BACKWARD_TOKENS` rows, with `chunk` (the backward's
-    vocabulary columns per call; None: all V_loc at once) a multiple of 8 as the
-    kernel's weight rows must be, of 16 with a mask (its slice's TMA row stride); the
-    tail is then one too, as V_loc is."""
-    from jaxops import linear_mosaic
-
-    return (num_tokens <= linear_mosaic.MAX_FUSED_BACKWARD_TOKENS
-            and (chunk is None or chunk % (16 if masked else 8) == 0)
-            and linear_mosaic.applies(num_tokens, hidden_size, num_vocab, dtype, masked))
-
-
-def fused_forward_fits(num_tokens, hidden_size, num_vocab, dtype, masked) -> bool:
-    """`linear_mosaic.applies`, imported on first use (it loads Mosaic GPU's Pallas)."""
-    from jaxops import linear_mosaic
-
-    return linear_mosaic.applies(num_tokens, hidden_size, num_vocab, dtype, masked)
-
-
-def _fused_forward(impl, config, pallas_config, num_tokens, hidden_size, num_vocab, dtype,
-                   masked) -> bool:
-    """`fused_forward_wanted` and `fused_forward_fits` this call's shapes."""
-    return (fused_forward_wanted(impl, config, pallas_config)
-            and fused_forward_fits(num_tokens, hidden_size, num_vocab, dtype, masked))
-
-
-def _fused_backward(impl, config, pallas_config, num_tokens, hidden_size, num_vocab, dtype,
-                    masked, chunk=None) -> bool:
-    """`fused_forward_wanted` and `fused_backward_fits` this call's shapes."""
-    return (fused_forward_wanted(impl, config, pallas_config)
-            and fused_backward_fits(num_tokens, hidden_size, num_vocab, dtype, masked, chunk))
-
-
-def _check_linear(hidden, weight, chunk_size, implementation):
-    validate.check_array("hidden", hidden)
-    validate.check_array("weight", weight)
-    if hidden.ndim < 1 or hidden.shape[-1] < 1:
-        raise ValueError(f"hidden must have shape [..., H] with H >= 1, got {hidden.shape}")
-    if weight.ndim != 2 or weight.shape[0] < 1:
-        raise ValueError(f"weight must have shape [V_loc, H] with V_loc >= 1, got {weight.shape}")
-    if weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"weight [V_loc, H] = {tuple(weight.shape)} does not match hidden [..., H] = "
-            f"{tuple(hidden.shape)}: H must agree")
-    if jnp.dtype(hidden.dtype) != jnp.dtype(weight.dtype):
-        raise TypeError(f"hidden and weight must have the same dtype, got "
-                        f"{jnp.dtype(hidden.dtype).name} and {jnp.dtype(weight.dtype).name}")
-    allowed = ("float32", "bfloat16", "float16") + (
-        ("float64",) if implementation == "reference" else ())
-    if jnp.dtype(hidden.dtype).name not in allowed:
-        raise TypeError(f"hidden and weight must be one of {list(allowed)} for implementation "
-                        f"{implementation!r}, got {jnp.dtype(hidden.dtype).name}")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(
-            chunk_size, (int, np.integer)) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")
+linear_local_stats.defvjp(_local_stats_fwd, _local_stats_bwd)
 
 
 def linear_logprob_entropy(
@@ -424,7 +344,7 @@ def linear_logprob_entropy(
         chunk; "reference" forms the full logits and runs the reference op (the oracle;
         unsharded, float64-capable). "pallas" on a Hopper+ GPU (and "pallas_mosaic")
         run the forward as one fused GEMM + statistics kernel where
-        `linear_mosaic.applies` (bf16/fp16, T a multiple of 8, H of 64, V_loc of 8; of
+        `mosaic_linear.applies` (bf16/fp16, T a multiple of 8, H of 64, V_loc of 8; of
         16 with a keep mask), and the backward's d logits with a kernel that recomputes the
         logits where it also holds and T <= 4096 (where each was measured faster); a
         Triton `PallasConfig` keeps both chunked.
@@ -458,8 +378,8 @@ def linear_logprob_entropy(
     all-reduce to `copy_to_tensor_model_parallel_region` in front of it; do not
     add that all-reduce again around this op.
     """
-    impl, config = implementations.resolve(implementation, pallas_config=pallas_config)
-    _check_linear(hidden, weight, chunk_size, impl)
+    impl, config = registry.resolve(implementation, pallas_config=pallas_config)
+    validate.check_linear_call(hidden, weight, chunk_size, impl)
     lead_shape, num_vocab = tuple(hidden.shape[:-1]), weight.shape[0]
     logits_like = jax.ShapeDtypeStruct(lead_shape + (num_vocab,), hidden.dtype)
     tau = validate.check_op_call(
@@ -470,14 +390,14 @@ def linear_logprob_entropy(
     num_tokens = int(np.prod(lead_shape))
     chunk = chunk_columns(num_tokens, num_vocab, chunk_size)
     shapes = (num_tokens, hidden.shape[-1], num_vocab, hidden.dtype, keep_mask is not None)
-    fused = (_fused_forward(impl, config, pallas_config, *shapes),
-             _fused_backward(impl, config, pallas_config, *shapes, chunk))
+    fused = (registry.use_fused_forward(impl, config, pallas_config, *shapes),
+             registry.use_fused_backward(impl, config, pallas_config, *shapes, chunk))
     # The kernels read one chunk's fp32 logits [T, chunk] at a time, and the keep mask as
     # bool (below), whatever its dtype here: "pallas" picks its backend for those.
-    impl, config = implementations.for_call(
+    impl, config = registry.for_call(
         impl, config, pallas_config, num_vocab=chunk, itemsize=4,
         mask_dtype=None if keep_mask is None else jnp.bool_,
-        min_mosaic_vocab=implementations.FUSED_CHUNK_MOSAIC_MIN_VOCAB)
+        min_mosaic_vocab=registry.FUSED_CHUNK_MOSAIC_MIN_VOCAB)
     if num_tokens == 0:
         empty = jnp.zeros(lead_shape, jnp.promote_types(hidden.dtype, jnp.float32))
         return empty, (empty if with_entropy else None)
@@ -487,7 +407,7 @@ def linear_logprob_entropy(
     # (`_over_columns`), the fused forward reads bytes.
     flat_mask = None if keep_mask is None else jnp.reshape(keep_mask, (num_tokens, num_vocab))
 
-    if impl == "reference":
+    if impl == registry.REFERENCE:
         log_prob, entropy = logprob_entropy_reference(
             _logits(flat_hidden, weight), flat_targets,
             None if flat_mask is None else flat_mask.astype(jnp.bool_), tau, with_entropy,
@@ -496,11 +416,11 @@ def linear_logprob_entropy(
         if axis_name is not None:
             # check_vma=True: hidden (replicated) becomes varying like the weight shard;
             # the transpose of that cast is the psum of the shards' d hidden.
-            flat_hidden = _vary_like(flat_hidden, weight)
+            flat_hidden = vary_like(flat_hidden, weight)
         targets_valid, local_targets = shard_targets(flat_targets, num_vocab, axis_name)
         validate.check_interpret_outside_vma(impl, config, flat_hidden, weight,
                                              local_targets, flat_mask)
-        stats = _linear_local_stats(flat_hidden, weight, local_targets, flat_mask, 1.0 / tau,
+        stats = linear_local_stats(flat_hidden, weight, local_targets, flat_mask, 1.0 / tau,
                                     bool(with_entropy), bool(entropy_grad), impl, config,
                                     chunk, *fused)
         log_prob, entropy = combine(stats, targets_valid, entropy_grad=bool(entropy_grad),

@@ -23,9 +23,9 @@ from __future__ import annotations
 
 import jax
 
-from jaxops.linear import _linear_local_stats, chunked_backward
-from jaxops.pallas_config import PallasConfig
-from jaxops.staged import _local_targets, _pack, shard_cotangents
+from jaxops.backends.triton.config import PallasConfig
+from jaxops.linear import chunked_backward, linear_local_stats
+from jaxops.staged import pack_stats, shard_cotangents, shard_local_targets
 
 
 def local_forward(hidden, weight, targets, keep_mask, shard_index, *, inv_tau: float,
@@ -33,13 +33,13 @@ def local_forward(hidden, weight, targets, keep_mask, shard_index, *, inv_tau: f
                   chunk: int, fused_forward: bool = False) -> jax.Array:
     """This shard's statistics of `hidden [T, H] @ weight [V_loc, H]^T`, packed as
     `[K, T]` float32 (`staged.num_packed`). `targets [T]` are global ids.
-    `fused_forward`: in one Mosaic GPU kernel (`linear_mosaic`; the caller checks that
+    `fused_forward`: in one Mosaic GPU kernel (`backends/mosaic/linear.py`; the caller checks that
     it applies), else chunked."""
-    local_targets = _local_targets(targets, shard_index, weight.shape[0])
-    stats = _linear_local_stats(hidden, weight, local_targets, keep_mask, inv_tau,
+    local_targets = shard_local_targets(targets, shard_index, weight.shape[0])
+    stats = linear_local_stats(hidden, weight, local_targets, keep_mask, inv_tau,
                                 with_entropy, True, implementation, config, chunk,
                                 fused_forward)
-    return _pack(stats, with_entropy, keep_mask is not None)
+    return pack_stats(stats, with_entropy, keep_mask is not None)
 
 
 def local_backward(hidden, weight, targets, keep_mask, gathered, shard_index, d_log_prob,
@@ -55,13 +55,13 @@ def local_backward(hidden, weight, targets, keep_mask, gathered, shard_index, d_
 
     `gathered [R, K, T]`: every shard's packed statistics; `d_log_prob [T]` float32 (or
     None), `d_entropy [T]` or None: the incoming cotangents. `fused_logits`: the d logits
-    from `linear_mosaic.backward_logits` (the caller checks that it applies)."""
+    from `mosaic.linear.backward_logits` (the caller checks that it applies)."""
     num_vocab = weight.shape[0]
     own, coefs = shard_cotangents(gathered, targets, shard_index, d_log_prob, d_entropy,
                                   num_vocab=num_vocab, with_entropy=with_entropy,
                                   entropy_grad=entropy_grad, masked=keep_mask is not None)
     return chunked_backward(
-        hidden, weight, _local_targets(targets, shard_index, num_vocab), keep_mask,
+        hidden, weight, shard_local_targets(targets, shard_index, num_vocab), keep_mask,
         own.max_logit, own.masked_max, coefs, inv_tau=inv_tau,
         implementation=implementation, config=config, chunk=chunk, d_weight=d_weight_acc,
         want_d_hidden=want_d_hidden, want_d_weight=want_d_weight, fused_logits=fused_logits)

@@ -22,9 +22,10 @@ import math
 import jax
 from jax.sharding import PartitionSpec as P
 
-from jaxops import implementations, validate
+from jaxops import validate
 from jaxops.api import logprob_entropy
-from jaxops.pallas_config import PallasConfig
+from jaxops.backends import registry
+from jaxops.backends.triton.config import PallasConfig
 
 
 def _axis_names(token_axis) -> tuple:
@@ -44,9 +45,9 @@ def _uses_check_vma(implementation: str, config: PallasConfig | None) -> bool:
     JAX's Pallas interpreter cannot evaluate a kernel whose inputs are typed as
     varying over mesh axes, so the interpret path (Pallas off-GPU) runs with
     check_vma=False, where the backward costs one extra O(T) psum. Takes what
-    `implementations.resolve` returns.
+    `registry.resolve` returns.
     """
-    return not (implementations.is_pallas(implementation) and config.interpret)
+    return not (registry.is_pallas(implementation) and config.interpret)
 
 
 def vocab_parallel_logprob_entropy(
@@ -111,10 +112,10 @@ def vocab_parallel_logprob_entropy(
     if vocab_axis in token_axes or len(set(token_axes)) != len(token_axes):
         raise ValueError(f"token_axis {token_axis!r} must not repeat an axis or use "
                          f"vocab_axis {vocab_axis!r}")
-    if implementation == "reference":
+    if implementation == registry.REFERENCE:
         raise ValueError("implementation='reference' is unsharded; it is not vocab-parallel")
 
-    impl, config = implementations.resolve(implementation, pallas_config=pallas_config)
+    impl, config = registry.resolve(implementation, pallas_config=pallas_config)
     validate.check_inputs(logits, targets, keep_mask, impl)
     num_shards = mesh.shape[vocab_axis]
     num_vocab = logits.shape[-1]

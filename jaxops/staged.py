@@ -12,7 +12,7 @@ the VJP of `combine_gathered` with respect to its own row of `gathered`.
 
 All functions are pure JAX and jit-compiled here; `targets` are global ids,
 `shard_index * V_loc` is this shard's first column. `implementation` ("pallas" or
-"xla") and `config` are as `jaxops.implementations.resolve` returns them.
+"xla") and `config` are as `jaxops.backends.registry.resolve` returns them.
 """
 
 from __future__ import annotations
@@ -22,36 +22,31 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxops import implementations
+from jaxops.backends import registry
+from jaxops.backends.triton.config import PallasConfig
 from jaxops.combine import combine
-from jaxops.contract import LocalStats, backward_coefs
-from jaxops.pallas_config import PallasConfig
-
-
-def _fields(with_entropy: bool, masked: bool) -> tuple[str, ...]:
-    names = ["max_logit", "sum_exp"]
-    names += ["sum_exp_shifted"] if with_entropy else []
-    names += ["target_logit"]
-    names += ["masked_max", "masked_sum_exp"] if masked else []
-    return tuple(names)
+from jaxops.contract import LocalStats, backward_coefs, present_fields
 
 
 def num_packed(with_entropy: bool, masked: bool) -> int:
     """K, the number of float32 rows `local_forward` packs per token."""
-    return len(_fields(with_entropy, masked))
+    return len(present_fields(with_entropy, masked))
 
 
-def _pack(stats: LocalStats, with_entropy, masked) -> jax.Array:
-    return jnp.stack([getattr(stats, f) for f in _fields(with_entropy, masked)])
+def pack_stats(stats: LocalStats, with_entropy, masked) -> jax.Array:
+    """LocalStats of `[T]` fields -> `[K, T]` float32, in `contract.present_fields` order."""
+    return jnp.stack([getattr(stats, f) for f in present_fields(with_entropy, masked)])
 
 
-def _unpack(packed: jax.Array, with_entropy, masked) -> LocalStats:
+def unpack_stats(packed: jax.Array, with_entropy, masked) -> LocalStats:
     """`[..., K, T]` -> LocalStats of `[..., T]` fields."""
-    values = {f: packed[..., i, :] for i, f in enumerate(_fields(with_entropy, masked))}
+    values = {f: packed[..., i, :] for i, f in enumerate(present_fields(with_entropy, masked))}
     return LocalStats(**{f: values.get(f) for f in LocalStats._fields})
 
 
-def _local_targets(targets, shard_index, num_vocab):
+def shard_local_targets(targets, shard_index, num_vocab):
+    """Global target ids `[T]` -> indices into shard `shard_index`'s V_loc = `num_vocab`
+    columns (out of [0, V_loc): the target is on another shard)."""
     return targets.astype(jnp.int32) - shard_index * num_vocab
 
 
@@ -60,16 +55,16 @@ def _local_targets(targets, shard_index, num_vocab):
 def local_forward(logits, targets, keep_mask, shard_index, *, inv_tau, with_entropy,
                   implementation: str, config: PallasConfig | None = None) -> jax.Array:
     """This shard's statistics of `logits [T, V_loc]`, packed as `[K, T]` float32."""
-    stats = implementations.kernels(implementation).forward_stats(
-        logits, _local_targets(targets, shard_index, logits.shape[-1]), keep_mask,
+    stats = registry.kernels(implementation).forward_stats(
+        logits, shard_local_targets(targets, shard_index, logits.shape[-1]), keep_mask,
         inv_tau=inv_tau, with_entropy=with_entropy, config=config)
-    return _pack(stats, with_entropy, keep_mask is not None)
+    return pack_stats(stats, with_entropy, keep_mask is not None)
 
 
 def _combine_stack(gathered: jax.Array, targets, total_vocab, with_entropy, masked,
                    entropy_grad=True):
     """combine() with shards stacked on axis 0 instead of a mesh axis."""
-    stats = _unpack(gathered, with_entropy, masked)  # each field [R, T]
+    stats = unpack_stats(gathered, with_entropy, masked)  # each field [R, T]
     valid = (targets >= 0) & (targets < total_vocab)
     # vmap over shards turns the named-axis collectives into reductions over axis 0.
     log_prob, entropy = jax.vmap(
@@ -102,9 +97,9 @@ def shard_cotangents(gathered, targets, shard_index, d_log_prob, d_entropy, *, n
     if with_entropy and d_entropy is None:
         d_entropy = jnp.zeros_like(d_log_prob)
     (d_packed,) = vjp((d_log_prob, d_entropy if with_entropy else None))
-    coefs = backward_coefs(_unpack(d_packed, with_entropy, masked),
+    coefs = backward_coefs(unpack_stats(d_packed, with_entropy, masked),
                            with_entropy and entropy_grad, masked)
-    return _unpack(gathered[shard_index], with_entropy, masked), coefs
+    return unpack_stats(gathered[shard_index], with_entropy, masked), coefs
 
 
 @functools.partial(
@@ -117,12 +112,12 @@ def local_backward(logits, targets, keep_mask, gathered, shard_index, d_log_prob
 
     `into`: Pallas only -- a `[T, V_loc]` buffer the kernel writes the gradient into;
     then the result is a `[T]` array that is ready once it is written (see
-    `pallas_gpu.backward_logits`)."""
+    `triton.kernels.backward_logits`)."""
     num_vocab = logits.shape[-1]
     own, coefs = shard_cotangents(gathered, targets, shard_index, d_log_prob, d_entropy,
                                   num_vocab=num_vocab, with_entropy=with_entropy,
                                   entropy_grad=entropy_grad, masked=keep_mask is not None)
     extra = {} if into is None else {"into": into}
-    return implementations.kernels(implementation).backward_logits(
-        logits, _local_targets(targets, shard_index, num_vocab), keep_mask,
+    return registry.kernels(implementation).backward_logits(
+        logits, shard_local_targets(targets, shard_index, num_vocab), keep_mask,
         own.max_logit, own.masked_max, coefs, inv_tau=inv_tau, config=config, **extra)

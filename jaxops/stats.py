@@ -11,7 +11,7 @@ statistics that does not depend on which reference point was used (log-sum-exp,
 entropy, log-prob), and it lets the backward recompute every probability from the
 logits and the saved maxima: O(T) residuals, no saved softmax, one write of the
 gradient. The work is done by the implementation's `forward_stats` and
-`backward_logits` (`contract.py`), looked up by name in `implementations.py`.
+`backward_logits` (`contract.py`), looked up by name in `registry.py`.
 
 A gradient of the gradient differentiates the backward itself: for the Pallas kernels,
 which JAX cannot differentiate, `backward_logits` here lends them XLA's derivative
@@ -24,9 +24,9 @@ import functools
 
 import jax
 
-from jaxops import implementations
+from jaxops.backends import registry
+from jaxops.backends.triton.config import PallasConfig
 from jaxops.contract import LocalStats, backward_coefs
-from jaxops.pallas_config import PallasConfig
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6, 7))
@@ -42,7 +42,7 @@ def local_stats(
 ) -> LocalStats:
     """This shard's row statistics; see the module docstring."""
     del entropy_grad
-    return implementations.kernels(implementation).forward_stats(
+    return registry.kernels(implementation).forward_stats(
         logits, local_targets, keep_mask, inv_tau=inv_tau,
         with_entropy=with_entropy, config=config)
 
@@ -73,11 +73,11 @@ def backward_logits(implementation: str, logits, local_targets, keep_mask, max_l
     derivative of `xla.backward_logits` (`with_xla_derivative`), so that a gradient of
     the op's gradient (a Hessian-vector product, a gradient penalty) works with every
     implementation, not only the jnp ones."""
-    kernel = implementations.kernels(implementation).backward_logits
-    if not implementations.is_pallas(implementation):
+    kernel = registry.kernels(implementation).backward_logits
+    if not registry.is_pallas(implementation):
         return kernel(logits, local_targets, keep_mask, max_logit, masked_max, coefs,
                       inv_tau=inv_tau, config=config, out_dtype=out_dtype)
-    from jaxops import xla
+    from jaxops.backends import xla
 
     def run(with_kernel, *args):
         fn = kernel if with_kernel else xla.backward_logits

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxops.backends import registry
 from jaxops.contract import varying_axes
 
 _KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -33,7 +34,7 @@ def check_inputs(logits, targets, keep_mask, implementation: str):
     `implementation` takes, integer `targets [...]`, bool (or uint8) `keep_mask [..., V]` or None."""
     check_array("logits", logits)
     check_array("targets", targets)
-    allowed = _KERNEL_DTYPES + ((jnp.float64,) if implementation == "reference" else ())
+    allowed = _KERNEL_DTYPES + ((jnp.float64,) if implementation == registry.REFERENCE else ())
     if logits.ndim < 1 or logits.shape[-1] < 1:
         raise ValueError(f"logits must have shape [..., V] with V >= 1, got {logits.shape}")
     if jnp.dtype(logits.dtype) not in [jnp.dtype(d) for d in allowed]:
@@ -114,7 +115,7 @@ def check_op_call(logits, targets, keep_mask, implementation: str, *, temperatur
     check_inputs(logits, targets, keep_mask, implementation)
     check_flags(with_entropy=with_entropy, entropy_grad=entropy_grad)
     tau = check_temperature(temperature)
-    if axis_name is not None and implementation == "reference":
+    if axis_name is not None and implementation == registry.REFERENCE:
         raise ValueError("implementation='reference' is unsharded; it does not take axis_name")
     check_same_device(device_array, targets)
     if axis_name is None:
@@ -125,7 +126,7 @@ def check_op_call(logits, targets, keep_mask, implementation: str, *, temperatur
 def check_interpret_outside_vma(implementation: str, config, *arrays) -> None:
     """Pallas in interpret mode (off-GPU) cannot take inputs typed as varying over mesh
     axes (inside `shard_map(check_vma=True)`): a clear error instead of JAX's."""
-    if implementation.startswith("pallas") and config.interpret and varying_axes(*arrays):
+    if registry.is_pallas(implementation) and config.interpret and varying_axes(*arrays):
         raise NotImplementedError(
             "implementation='pallas' in interpret mode (off-GPU) cannot run inside "
             "shard_map(check_vma=True): JAX's Pallas interpreter rejects inputs "
@@ -144,3 +145,29 @@ def _check_values_in_range(host, num_vocab):
         raise ValueError(
             f"targets must lie in [0, {num_vocab}); {int(bad.sum())} row(s) do not "
             f"(row: value) {shown}")
+
+
+def check_linear_call(hidden, weight, chunk_size, implementation):
+    """The fused head's own arguments: `hidden` `[..., H]`, `weight` `[V_loc, H]` of one
+    dtype the implementation takes, `chunk_size` None or an int >= 1."""
+    check_array("hidden", hidden)
+    check_array("weight", weight)
+    if hidden.ndim < 1 or hidden.shape[-1] < 1:
+        raise ValueError(f"hidden must have shape [..., H] with H >= 1, got {hidden.shape}")
+    if weight.ndim != 2 or weight.shape[0] < 1:
+        raise ValueError(f"weight must have shape [V_loc, H] with V_loc >= 1, got {weight.shape}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight [V_loc, H] = {tuple(weight.shape)} does not match hidden [..., H] = "
+            f"{tuple(hidden.shape)}: H must agree")
+    if jnp.dtype(hidden.dtype) != jnp.dtype(weight.dtype):
+        raise TypeError(f"hidden and weight must have the same dtype, got "
+                        f"{jnp.dtype(hidden.dtype).name} and {jnp.dtype(weight.dtype).name}")
+    allowed = ("float32", "bfloat16", "float16") + (
+        ("float64",) if implementation == registry.REFERENCE else ())
+    if jnp.dtype(hidden.dtype).name not in allowed:
+        raise TypeError(f"hidden and weight must be one of {list(allowed)} for implementation "
+                        f"{implementation!r}, got {jnp.dtype(hidden.dtype).name}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(
+            chunk_size, (int, np.integer)) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None or an int >= 1, got {chunk_size!r}")

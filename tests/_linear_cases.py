@@ -89,22 +89,22 @@ def check_linear(label, got, data, dtype, *, temperature, with_entropy, entropy_
 
 
 def _on_each_trace(set_attr, kernel: str, record):
-    """Replace the fused kernel `linear_mosaic.<kernel>` (with `set_attr`: a test's
+    """Replace the fused kernel `mosaic_linear.<kernel>` (with `set_attr`: a test's
     `monkeypatch.setattr`, or plain `setattr` in a worker process) by one that calls
     `record(args)` on each trace, then the kernel."""
-    from jaxops import linear_mosaic
+    from jaxops.backends.mosaic import linear as mosaic_linear
 
-    real = getattr(linear_mosaic, kernel)
+    real = getattr(mosaic_linear, kernel)
 
     def counted(*args, **kwargs):
         record(args)
         return real(*args, **kwargs)
 
-    set_attr(linear_mosaic, kernel, counted)
+    set_attr(mosaic_linear, kernel, counted)
 
 
 def count_fused_calls(monkeypatch, kernel: str = "forward_stats") -> list:
-    """Patch the fused kernel `linear_mosaic.<kernel>` ("forward_stats", the fused
+    """Patch the fused kernel `mosaic_linear.<kernel>` ("forward_stats", the fused
     forward, or "backward_logits", the backward's recomputing d logits kernel) to record
     the hidden shape of each call it is traced with; returns that list. Callers clear
     the caches of the jitted functions under test, so that they trace afresh."""
@@ -114,7 +114,7 @@ def count_fused_calls(monkeypatch, kernel: str = "forward_stats") -> list:
 
 
 def record_fused_traces(set_attr=setattr) -> list:
-    """Wrap both fused kernels (`linear_mosaic.forward_stats` and `backward_logits`) with
+    """Wrap both fused kernels (`mosaic_linear.forward_stats` and `backward_logits`) with
     `set_attr` (a test's `monkeypatch.setattr`, or plain `setattr` in a worker process)
     so that each trace appends (kernel name, hidden shape, weight shape) to the returned
     list. Callers clear the caches of the jitted functions under test first."""

@@ -44,16 +44,16 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def backend_choices(monkeypatch):
-    """The keyword arguments of every `jaxops.implementations.for_call` (the per-call
+    """The keyword arguments of every `jaxops.backends.registry.for_call` (the per-call
     backend choice) made during the test, in order."""
-    from jaxops import implementations
+    from jaxops.backends import registry
 
     seen = []
-    real = implementations.for_call
+    real = registry.for_call
 
     def spy(name, config, pallas_config=None, **kw):
         seen.append(kw)
         return real(name, config, pallas_config, **kw)
 
-    monkeypatch.setattr(implementations, "for_call", spy)
+    monkeypatch.setattr(registry, "for_call", spy)
     return seen

@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 import jaxops
-from jaxops.pallas_config import MosaicConfig, PallasConfig
+from jaxops.backends.mosaic.config import MosaicConfig
+from jaxops.backends.triton.config import PallasConfig
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 

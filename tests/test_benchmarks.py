@@ -206,7 +206,7 @@ def test_each_backend_gets_its_own_config(monkeypatch):
     """--pallas-config reaches the Triton kernels (and the alias), --mosaic-config Mosaic's."""
     import jax
     import jaxops
-    from jaxops.pallas_config import MosaicConfig
+    from jaxops.backends.mosaic.config import MosaicConfig
     from benchmarks import impls
     triton = harness.pallas_config("block_v=1024,prefetch=1")
     mosaic = harness.mosaic_config("block_v=256,approx_math=0,chunk_v=none")
@@ -428,7 +428,7 @@ def test_linear_head_cpu_quick_has_every_row(tmp_path):
 def test_kernel_asm_sees_a_kernel_change(monkeypatch):
     """benchmarks/tools/kernel_asm.py (the refactor check): the same kernel prints the same
     text twice, without source locations, and a different kernel prints differently."""
-    pytest.importorskip("jaxops.mosaic_direct")
+    pytest.importorskip("jaxops.backends.mosaic.direct")
     import jax.numpy as jnp
 
     from benchmarks.tools import kernel_asm
@@ -437,7 +437,7 @@ def test_kernel_asm_sees_a_kernel_change(monkeypatch):
         (name, fn, structs), *_ = kernel_asm.kernels([config])
         assert name.startswith("partials")
         if inv_tau is not None:
-            from jaxops import mosaic_direct as md
+            from jaxops.backends.mosaic import direct as md
 
             T, V, dtype, masked, with_entropy = config
             fn = md.partials_kernel(T, V, dtype, masked=masked, with_entropy=with_entropy,
@@ -458,7 +458,7 @@ def test_mosaic_tune_measures_and_checks(monkeypatch):
     import jax.numpy as jnp
 
     from benchmarks.tools import mosaic_tune
-    from jaxops.pallas_config import MosaicConfig
+    from jaxops.backends.mosaic.config import MosaicConfig
 
     monkeypatch.setattr(mosaic_tune, "V", 1040)
     row = mosaic_tune.run_case(70, jnp.float32, True,

@@ -22,7 +22,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 import bridge  # noqa: E402
-from bridge import _dlpack, _run, op  # noqa: E402
+from bridge import _dlpack, _engine, op  # noqa: E402
 
 import _bridge_scenarios as S  # noqa: E402
 
@@ -83,7 +83,7 @@ def test_cuda_uses_pallas_and_fast_dlpack():
     dev = _dlpack.device(CUDA)
     assert dev.fast, "JAX's DLPack fast path is not in use on CUDA"
     # V = 100: rows of 200/400 bytes, which TMA cannot tile: the Triton kernels on any GPU.
-    assert _run.implementation_for("", dev, num_vocab=100, itemsize=4)[0] == "pallas_triton"
+    assert _engine.implementation_for("", dev, num_vocab=100, itemsize=4)[0] == "pallas_triton"
     assert dev.jax_device.platform == "gpu"
 
 

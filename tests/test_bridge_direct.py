@@ -24,7 +24,7 @@ CUDA = torch.device("cuda", 0)
 
 @pytest.fixture(autouse=True)
 def _hopper():
-    if not _direct._ready():
+    if not _direct.ready():
         pytest.skip("Mosaic GPU cannot compile for torch here (needs sm_90+ and CUDA JAX)")
 
 
@@ -228,7 +228,7 @@ def test_direct_single_kernel_forward_matches_two_kernels_bitwise(masked, monkey
                                                                   direct_calls):
     """V_loc of one vocabulary chunk takes one forward kernel (`forward_kernel`); the
     partials + finish pair computes the same bits."""
-    from jaxops import mosaic_direct as md
+    from jaxops.backends.mosaic import direct as md
 
     T, V = 300, 1024
     assert md.one_pass(V, "bfloat16", masked)

@@ -21,16 +21,16 @@ import torch
 
 import bridge
 from bridge import _direct, _run
-from jaxops import pallas_mosaic
-from jaxops.pallas_config import MosaicConfig
+from jaxops.backends.mosaic import common as mosaic_common
+from jaxops.backends.mosaic.config import MosaicConfig
 
 # The direct kernels store into buffers their caller owns, which jax 0.12 refuses to
-# lower (`pallas_mosaic.STORES_INTO_INPUTS`): there the route is off.
+# lower (`mosaic_common.STORES_INTO_INPUTS`): there the route is off.
 needs_input_stores = pytest.mark.skipif(
-    not pallas_mosaic.STORES_INTO_INPUTS,
+    not mosaic_common.STORES_INTO_INPUTS,
     reason=f"jax {jax.__version__} lowers no store into an input: the direct route is off")
 
-md = pytest.importorskip("jaxops.mosaic_direct")
+md = pytest.importorskip("jaxops.backends.mosaic.direct")
 
 
 @pytest.fixture
@@ -222,12 +222,12 @@ def test_which_calls_take_the_direct_route(monkeypatch):
     policy picks them, or "pallas_mosaic" named) on one shard in eager mode, where the
     kernels take the shape; the Triton kernels, a group of several ranks, the
     torch.compile route (which needs the statistics) and shapes the kernels refuse go
-    through JAX. (`_ready()`, the sm_90+ Mosaic GPU check, is faked here.)"""
+    through JAX. (`ready()`, the sm_90+ Mosaic GPU check, is faked here.)"""
     from types import SimpleNamespace as NS
 
-    monkeypatch.setattr(_direct, "_ready", lambda: True)
+    monkeypatch.setattr(_direct, "ready", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(pallas_mosaic, "STORES_INTO_INPUTS", True)  # any JAX here
+    monkeypatch.setattr(mosaic_common, "STORES_INTO_INPUTS", True)  # any JAX here
 
     def plan(implementation, num_vocab=151936, masked=False, cuda=True):
         logits = NS(device=NS(index=0), element_size=lambda: 2)
@@ -244,27 +244,28 @@ def test_which_calls_take_the_direct_route(monkeypatch):
     assert not _direct.applies(plan("pallas_mosaic", num_vocab=1001), 1, False)
     assert not _direct.applies(plan("xla", cuda=False), 1, False)
     # A JAX that refuses stores into inputs (0.12) has no direct route.
-    monkeypatch.setattr(pallas_mosaic, "STORES_INTO_INPUTS", False)
+    monkeypatch.setattr(mosaic_common, "STORES_INTO_INPUTS", False)
     assert not _direct.applies(plan("pallas_mosaic"), 1, False)
 
 
 def test_pallas_runs_the_policys_kernels_on_every_route(monkeypatch):
-    """The bridge's "pallas" is jaxops' policy (`implementations.for_call`), whatever the
+    """The bridge's "pallas" is jaxops' policy (`registry.for_call`), whatever the
     route: where the JAX op picks Mosaic (Hopper, faked here) the
     route through JAX (several ranks, torch.compile) runs Mosaic too, a bool mask handed
     over as its bytes; the Mosaic backward can write into torch's gradient as the Triton
     one does (`can_write_into`, where `IN_PLACE_GRADIENT`). A named "pallas_triton" keeps
     the Triton kernels."""
-    from jaxops import implementations, pallas_mosaic
+    from jaxops.backends import registry
+    from jaxops.backends.mosaic import kernels as mosaic_kernels
 
-    real_for_call = implementations.for_call
+    real_for_call = registry.for_call
 
     def hopper(name, config, pallas_config=None, **kw):
         if name == "pallas":
             return "pallas_mosaic", MosaicConfig()
         return real_for_call(name, config, pallas_config, **kw)
 
-    monkeypatch.setattr(implementations, "for_call", hopper)
+    monkeypatch.setattr(registry, "for_call", hopper)
     real_device = _run._dlpack.device
     monkeypatch.setattr(_run._dlpack, "device", lambda d: _CudaFlag(real_device(d)))
     x, y = torch.randn(3, 64), torch.randint(0, 64, (3,))
@@ -272,6 +273,6 @@ def test_pallas_runs_the_policys_kernels_on_every_route(monkeypatch):
     plan = _run.Plan(x, y, mask, None)
     assert plan.implementation == "pallas_mosaic" and isinstance(plan.config, MosaicConfig)
     assert plan.mask.dtype == torch.uint8
-    assert hasattr(pallas_mosaic, "can_write_into")
+    assert hasattr(mosaic_kernels, "can_write_into")
     named = _run.Plan(x, y, mask, "pallas_triton")
     assert named.implementation == "pallas_triton" and named.mask.dtype == torch.bool

@@ -14,7 +14,7 @@ import torch
 
 import bridge
 from bridge import _dlpack, _jaxfns, _linear_jaxfns
-from bridge import linear as blinear
+from bridge import _linear_run
 
 import _bridge_linear_worker as W
 import _bridge_scenarios as S
@@ -112,10 +112,10 @@ def test_overlapping_windows_are_exercised():
     """The windows case above does run an overlapping last window (d weight must not
     count its recomputed rows twice), and the odd case one exact window."""
     hidden, weight, y, mask, *_ = make(29, 16, 64, masked=True)
-    windows = blinear.Plan(hidden, weight, y, mask, "").windows
+    windows = _linear_run.Plan(hidden, weight, y, mask, "").windows
     assert len(windows) == 3 and windows[-1].skip > 0, windows
     hidden, weight, y, mask, *_ = make(13, 19, 23, masked=True)
-    assert blinear.Plan(hidden, weight, y, mask, "").windows == ((0, 13, 0),)
+    assert _linear_run.Plan(hidden, weight, y, mask, "").windows == ((0, 13, 0),)
 
 
 def test_matches_bridge_op_on_materialised_logits():
@@ -432,7 +432,7 @@ def test_plan_picks_the_backend_for_the_chunks(backend_choices):
     weight = torch.randn(1000, 16, dtype=torch.bfloat16)
     y = torch.randint(0, 1000, (40,))
     for chunk_size, width in ((256, 256), (None, 1000)):
-        blinear.Plan(hidden, weight, y, None, "", chunk_size)
+        _linear_run.Plan(hidden, weight, y, None, "", chunk_size)
         assert (backend_choices[-1]["num_vocab"], backend_choices[-1]["itemsize"]) == (
             width, 4)
 
@@ -472,7 +472,7 @@ def test_fused_forward_in_interpret_mode(fused_traces):
 
 
 def test_fused_kernels_with_mask(fused_traces):
-    """A bool torch mask goes to both fused kernels (`linear_mosaic.MASKED`, on by
+    """A bool torch mask goes to both fused kernels (`mosaic.linear.MASKED`, on by
     default)."""
     check(*make(16, 64, 80, torch.bfloat16, masked=True, seed=10), temperature=0.9,
           chunk_size=32, implementation="pallas_mosaic")

@@ -2,7 +2,7 @@
 
 At T = 16,384, V = 151,936 a `[T, V]` operand has 2.49e9 elements. JAX's Pallas Triton
 lowering indexed 1-byte operands of that size (the bool keep mask) with wrapping 32-bit
-offsets, so rows from 14,134 on read another row's mask (`jaxops/_triton_offsets.py`).
+offsets, so rows from 14,134 on read another row's mask (`jaxops/backends/triton/offsets.py`).
 
 - On CPU: the kernels are lowered for CUDA (no GPU needed) at that size and the Triton
   IR is read: every address computation into a `[T, V]` operand must be 64-bit.
@@ -24,7 +24,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxops import pallas_gpu
+from jaxops.backends.triton import kernels as triton_kernels
 from jaxops.contract import BackwardCoefs
 
 from test_logprob_entropy import (  # one float64 oracle and tolerance table for all tests
@@ -85,19 +85,19 @@ def test_kernels_lower_at_random_shapes(num_tokens, num_vocab, dtype, masked):
 
 
 def check_offsets(T, V, dtype, masked, require_i64=True):
-    config = pallas_gpu.PallasConfig(debug=True)
+    config = triton_kernels.PallasConfig(debug=True)
     logits = jax.ShapeDtypeStruct((T, V), dtype)
     rows = jax.ShapeDtypeStruct((T,), jnp.float32)
     targets = jax.ShapeDtypeStruct((T,), jnp.int32)
     mask = jax.ShapeDtypeStruct((T, V), jnp.bool_) if masked else None
 
     def forward(logits, targets, mask):
-        return pallas_gpu.forward_stats(logits, targets, mask, inv_tau=1.25,
+        return triton_kernels.forward_stats(logits, targets, mask, inv_tau=1.25,
                                         with_entropy=True, config=config)
 
     def backward(logits, targets, mask, row):
         coefs = BackwardCoefs(row, row, row, row if masked else None)
-        return pallas_gpu.backward_logits(logits, targets, mask, row, row if masked else None,
+        return triton_kernels.backward_logits(logits, targets, mask, row, row if masked else None,
                                           coefs, inv_tau=1.25, config=config)
 
     # Kernel arguments: forward (targets, logits, [mask], outputs...);

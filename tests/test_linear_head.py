@@ -142,7 +142,7 @@ def test_pallas_interpret_against_float64(implementation, lead, hidden_size, num
 @pytest.fixture
 def fused_calls(monkeypatch):
     """Counts the traced calls of the fused kernels: {"forward": [...], "backward": [...]}
-    (`linear_mosaic.forward_stats`, `linear_mosaic.backward_logits`)."""
+    (`mosaic_linear.forward_stats`, `mosaic_linear.backward_logits`)."""
     calls = {"forward": count_fused_calls(monkeypatch),
              "backward": count_fused_calls(monkeypatch, "backward_logits")}
     _vjp_jit.clear_cache()
@@ -182,10 +182,10 @@ def test_fused_row_groups_and_chunked_backward_through_the_op(monkeypatch, fused
     beyond MAX_FUSED_BACKWARD_TOKENS the backward takes the chunked path: both through
     the op, with the thresholds lowered to interpret-mode sizes (T = 136 = 2 x 64 + 8),
     values and gradients against float64."""
-    from jaxops import linear_mosaic
+    from jaxops.backends.mosaic import linear as mosaic_linear
 
     for name in ("MAX_ONE_LAUNCH_TOKENS", "ROW_GROUP", "MAX_FUSED_BACKWARD_TOKENS"):
-        monkeypatch.setattr(linear_mosaic, name, 64)
+        monkeypatch.setattr(mosaic_linear, name, 64)
     run_case((136,), 64, 80, BF16, mask=False, temperature=0.7, chunk_size=32,
              implementation="pallas_mosaic", seed=8)
     # the call, then one per row group (traced through the module's patched name)
@@ -211,20 +211,20 @@ def test_fused_kernels_only_where_they_apply(fused_calls):
 def test_fused_kernels_reject_shapes_they_cannot_tile():
     """Called directly with shapes `applies` refuses, the kernels raise a clear error
     (Mosaic GPU's own, at lowering on the GPU, names an SMEM tiling instead)."""
-    from jaxops import linear_mosaic
+    from jaxops.backends.mosaic import linear as mosaic_linear
     from jaxops.contract import BackwardCoefs
 
     vec = jnp.zeros((16,), F32)
     hidden, targets = jnp.zeros((16, 64), BF16), jnp.zeros((16,), jnp.int32)
     for weight in (jnp.zeros((100, 64), BF16), jnp.zeros((20, 64), BF16)):
         with pytest.raises(ValueError, match="weight's rows % 8"):
-            linear_mosaic.backward_logits(hidden, weight, targets, vec,
+            mosaic_linear.backward_logits(hidden, weight, targets, vec,
                                           BackwardCoefs(vec, vec, vec, None), inv_tau=1.0)
         with pytest.raises(ValueError, match="weight's rows % 8"):
-            linear_mosaic.forward_stats(hidden, weight, targets, inv_tau=1.0,
+            mosaic_linear.forward_stats(hidden, weight, targets, inv_tau=1.0,
                                         with_entropy=True)
     with pytest.raises(ValueError, match="T % 8"):
-        linear_mosaic.forward_stats(jnp.zeros((12, 64), BF16), jnp.zeros((80, 64), BF16),
+        mosaic_linear.forward_stats(jnp.zeros((12, 64), BF16), jnp.zeros((80, 64), BF16),
                                     targets[:12], inv_tau=1.0, with_entropy=True)
 
 
@@ -237,10 +237,11 @@ def test_fused_kernels_reject_shapes_they_cannot_tile():
 ])
 def test_fused_backward_logits_interpret(num_tokens, num_vocab, dtype, entropy, chunk_v,
                                          mask):
-    """`linear_mosaic.backward_logits` (logits recomputed in the kernel; interpret mode)
+    """`mosaic_linear.backward_logits` (logits recomputed in the kernel; interpret mode)
     against the XLA statistics' gradient of the same fp32 logits, rounded to the inputs'
     dtype: at most one rounding step apart, targets off the shard included."""
-    from jaxops import linear_mosaic, xla
+    from jaxops.backends.mosaic import linear as mosaic_linear
+    from jaxops.backends import xla
     from jaxops.contract import BackwardCoefs
 
     k = jax.random.split(jax.random.key(11), 8)
@@ -259,7 +260,7 @@ def test_fused_backward_logits_interpret(num_tokens, num_vocab, dtype, entropy, 
                           coef_target=g[2], coef_masked=g[3] if mask else None)
     want = xla.backward_logits(logits, targets, keep, stats.max_logit, stats.masked_max,
                                coefs, inv_tau=1 / 0.7)
-    got = linear_mosaic.backward_logits(
+    got = mosaic_linear.backward_logits(
         hidden, weight, targets, stats.max_logit, coefs,
         None if keep is None else keep.astype(mask), stats.masked_max,
         inv_tau=1 / 0.7, interpret=True, chunk_v=chunk_v)
@@ -274,25 +275,27 @@ def test_fused_backward_logits_interpret(num_tokens, num_vocab, dtype, entropy, 
 def test_fused_kernels_choice(monkeypatch):
     """"pallas" takes the fused kernels (forward and backward) on a Hopper+ GPU only (not
     in interpret mode, not with Triton's `PallasConfig`), for bf16/fp16, T % 8, H % 64 and
-    V_loc % 8 == 0 (with a keep mask V_loc % 16, unless `linear_mosaic.MASKED` is off):
+    V_loc % 8 == 0 (with a keep mask V_loc % 16, unless `mosaic_linear.MASKED` is off):
     the forward at any T (beyond MAX_ONE_LAUNCH_TOKENS in row groups), the backward up
     to MAX_FUSED_BACKWARD_TOKENS."""
-    from jaxops import implementations, linear_mosaic
-    from jaxops.linear import _fused_backward, _fused_forward
-    from jaxops.pallas_config import MosaicConfig, PallasConfig
+    from jaxops.backends import registry
+    from jaxops.backends.mosaic import linear as mosaic_linear
+    from jaxops.backends.registry import use_fused_backward, use_fused_forward
+    from jaxops.backends.mosaic.config import MosaicConfig
+    from jaxops.backends.triton.config import PallasConfig
 
     on_gpu = PallasConfig(interpret=False)
-    monkeypatch.setattr(implementations, "mosaic_available", lambda: True)
-    for fused in (_fused_forward, _fused_backward):
+    monkeypatch.setattr(registry, "mosaic_available", lambda: True)
+    for fused in (use_fused_forward, use_fused_backward):
         assert fused("pallas", on_gpu, None, 4096, 4096, 151936, BF16, False)
         assert fused("pallas", on_gpu, MosaicConfig(), 4096, 4096, 151936, BF16, False)
-    assert _fused_forward("pallas", on_gpu, None, 65536, 8192, 151936, F16, False)
-    assert _fused_backward("pallas", on_gpu, None, 4096, 8192, 151936, F16, False)
-    assert not _fused_backward("pallas", on_gpu, None, 4104, 4096, 151936, BF16, False)
+    assert use_fused_forward("pallas", on_gpu, None, 65536, 8192, 151936, F16, False)
+    assert use_fused_backward("pallas", on_gpu, None, 4096, 8192, 151936, F16, False)
+    assert not use_fused_backward("pallas", on_gpu, None, 4104, 4096, 151936, BF16, False)
     # the backward's chunks are the kernel's weight rows: a multiple of 8 (or all V_loc)
-    assert _fused_backward("pallas", on_gpu, None, 4096, 4096, 151936, BF16, False, 4096)
-    assert not _fused_backward("pallas", on_gpu, None, 4096, 4096, 151936, BF16, False, 100)
-    for fused in (_fused_forward, _fused_backward):
+    assert use_fused_backward("pallas", on_gpu, None, 4096, 4096, 151936, BF16, False, 4096)
+    assert not use_fused_backward("pallas", on_gpu, None, 4096, 4096, 151936, BF16, False, 100)
+    for fused in (use_fused_forward, use_fused_backward):
         assert not fused("pallas", on_gpu, PallasConfig(), 4096, 4096, 151936, BF16, False)
         assert not fused("pallas", PallasConfig(interpret=True), None, 4096, 4096, 151936,
                          BF16, False)
@@ -302,16 +305,16 @@ def test_fused_kernels_choice(monkeypatch):
         assert not fused("pallas", on_gpu, None, 4096, 4096, 151936, F32, False)
         assert fused("pallas", on_gpu, None, 4096, 4096, 151936, BF16, True)
         assert not fused("pallas", on_gpu, None, 4096, 4096, 151928, BF16, True)  # % 16
-        monkeypatch.setattr(linear_mosaic, "MASKED", False)
+        monkeypatch.setattr(mosaic_linear, "MASKED", False)
         assert not fused("pallas", on_gpu, None, 4096, 4096, 151936, BF16, True)
-        monkeypatch.setattr(linear_mosaic, "MASKED", True)
+        monkeypatch.setattr(mosaic_linear, "MASKED", True)
         assert not fused("pallas_triton", on_gpu, None, 4096, 4096, 151936, BF16, False)
         assert not fused("xla", None, None, 4096, 4096, 151936, BF16, False)
         assert fused("pallas_mosaic", PallasConfig(interpret=True), None, 8, 64, 8, BF16,
                      False)
-    monkeypatch.setattr(implementations, "mosaic_available", lambda: False)
-    assert not _fused_forward("pallas", on_gpu, None, 4096, 4096, 151936, BF16, False)
-    assert not _fused_backward("pallas", on_gpu, None, 4096, 4096, 151936, BF16, False)
+    monkeypatch.setattr(registry, "mosaic_available", lambda: False)
+    assert not use_fused_forward("pallas", on_gpu, None, 4096, 4096, 151936, BF16, False)
+    assert not use_fused_backward("pallas", on_gpu, None, 4096, 4096, 151936, BF16, False)
 
 
 @pytest.mark.parametrize("masked", [False, True])
@@ -319,7 +322,7 @@ def test_fused_forward_row_groups_are_bitwise_one_launch(masked):
     """`row_group` (one launch per group of rows) gives bitwise the statistics of one
     launch: rows are independent and the 64-row blocks are the same (with a keep mask
     too, its rows cut with the hidden rows)."""
-    from jaxops import linear_mosaic
+    from jaxops.backends.mosaic import linear as mosaic_linear
 
     k = jax.random.split(jax.random.key(7), 4)
     hidden = jax.random.normal(k[0], (200, 64), F32).astype(BF16)  # 200 = 3 x 64 + 8
@@ -328,7 +331,7 @@ def test_fused_forward_row_groups_are_bitwise_one_launch(masked):
     mask = (jax.random.uniform(k[3], (200, 608)) < 0.3) if masked else None
 
     def run(row_group):
-        return jax.jit(lambda h, w, y, m: linear_mosaic.forward_stats(
+        return jax.jit(lambda h, w, y, m: mosaic_linear.forward_stats(
             h, w, y, m, inv_tau=1 / 0.7, with_entropy=True, interpret=True,
             row_group=row_group))(hidden, weight, targets, mask)
 
@@ -345,7 +348,7 @@ def test_fused_forward_row_groups_are_bitwise_one_launch(masked):
         a, b = np.asarray(getattr(whole, name)), np.asarray(getattr(grouped, name))
         assert a.shape == (200,) and np.array_equal(a, b), name
     with pytest.raises(ValueError, match="multiple of 64"):
-        linear_mosaic.forward_stats(hidden, weight, targets, inv_tau=1.0, with_entropy=True,
+        mosaic_linear.forward_stats(hidden, weight, targets, inv_tau=1.0, with_entropy=True,
                                     interpret=True, row_group=100)
 
 
@@ -356,13 +359,14 @@ def test_fused_forward_row_groups_are_bitwise_one_launch(masked):
 @pytest.mark.parametrize("mask_dtype,with_entropy,chunk_v", [
     (jnp.bool_, True, 2048), (jnp.uint8, False, 2048), (jnp.uint8, True, 512)])
 def test_fused_forward_with_mask_interpret(mask_dtype, with_entropy, chunk_v):
-    """`linear_mosaic.forward_stats` with a keep mask (interpret mode) against the XLA
+    """`mosaic_linear.forward_stats` with a keep mask (interpret mode) against the XLA
     statistics of the same fp32 logits: T = 72 (a part-filled row block), V = 592 (a
     part-filled last tile; chunks of 512 share a tile), targets off the shard, a row
     keeping nothing, a row keeping one column, and a row whose kept logits lie far below
     its maximum (where the statistics kernel needs a second pass; the fused kernel's
     kept statistics have a maximum of their own)."""
-    from jaxops import linear_mosaic, xla
+    from jaxops.backends.mosaic import linear as mosaic_linear
+    from jaxops.backends import xla
 
     T, H, V = 72, 64, 592
     k = jax.random.split(jax.random.key(14), 4)
@@ -376,7 +380,7 @@ def test_fused_forward_with_mask_interpret(mask_dtype, with_entropy, chunk_v):
     mask = mask.at[3].set(logits[3] <= jnp.sort(logits[3])[7])
     cpu = jax.devices("cpu")[0]  # interpret mode on the CPU device, as the row-group test
     with jax.default_device(cpu):
-        got = linear_mosaic.forward_stats(
+        got = mosaic_linear.forward_stats(
             *(jax.device_put(a, cpu) for a in (hidden, weight, targets,
                                                mask.astype(mask_dtype))),
             inv_tau=1 / 0.7, with_entropy=with_entropy, interpret=True, chunk_v=chunk_v)
@@ -397,19 +401,19 @@ def test_fused_forward_with_mask_interpret(mask_dtype, with_entropy, chunk_v):
 
 
 def test_fused_kernels_with_mask_through_the_op(monkeypatch, fused_calls):
-    """A masked call takes both fused kernels (`linear_mosaic.MASKED`, on by default),
+    """A masked call takes both fused kernels (`mosaic_linear.MASKED`, on by default),
     bool and uint8 masks, fp16, each entropy mode, against float64; backward chunks of a
     multiple of 8 but not 16 columns keep the chunked backward, V_loc % 16 != 0 the
     chunked forward too; with the switch off, masked calls take neither kernel."""
-    from jaxops import linear_mosaic
+    from jaxops.backends.mosaic import linear as mosaic_linear
 
-    assert linear_mosaic.MASKED
-    monkeypatch.setattr(linear_mosaic, "MASKED", False)
-    assert not linear_mosaic.applies(16, 64, 80, BF16, True)
+    assert mosaic_linear.MASKED
+    monkeypatch.setattr(mosaic_linear, "MASKED", False)
+    assert not mosaic_linear.applies(16, 64, 80, BF16, True)
     run_case((16,), 64, 80, BF16, mask=True, chunk_size=32, implementation="pallas_mosaic",
              seed=14)
     assert fused_calls == {"forward": [], "backward": []}
-    monkeypatch.setattr(linear_mosaic, "MASKED", True)
+    monkeypatch.setattr(mosaic_linear, "MASKED", True)
     for dtype, flags in ((BF16, (True, True)), (F16, (True, False)), (BF16, (False, True))):
         run_case((2, 8), 64, 80, dtype, mask=True, temperature=0.7, with_entropy=flags[0],
                  entropy_grad=flags[1], chunk_size=32, implementation="pallas_mosaic",
@@ -446,13 +450,13 @@ def test_fused_kernels_lower_for_cuda(kernel, dtype):
     Mosaic GPU checks layouts, transforms, TMA descriptors and shared memory there."""
     import functools
 
-    from jaxops import linear_mosaic
+    from jaxops.backends.mosaic import linear as mosaic_linear
     from jaxops.contract import BackwardCoefs
 
     S = jax.ShapeDtypeStruct
     vec = S((4096,), F32)
     if kernel == "forward_stats":
-        f = functools.partial(linear_mosaic.forward_stats, inv_tau=1 / 0.7, with_entropy=True)
+        f = functools.partial(mosaic_linear.forward_stats, inv_tau=1 / 0.7, with_entropy=True)
         shapes = [(S((t, 4096), dtype), S((151936, 4096), dtype), S((t,), jnp.int32))
                   for t in (4096, 8192)]
         # with a keep mask (bytes, or bool converted), also at small, part-filled shapes
@@ -462,7 +466,7 @@ def test_fused_kernels_lower_for_cuda(kernel, dtype):
                                                (8192, 4096, 151936, jnp.bool_),
                                                (72, 128, 592, jnp.uint8))]
     else:
-        f = functools.partial(linear_mosaic.backward_logits, inv_tau=1 / 0.7)
+        f = functools.partial(mosaic_linear.backward_logits, inv_tau=1 / 0.7)
         shapes = [(S((4096, 4096), dtype), S((4096, 4096), dtype), S((4096,), jnp.int32),
                    vec, BackwardCoefs(vec, vec, vec, None))]
         # with a keep mask (its chunk's slice), bytes or bool
@@ -479,7 +483,7 @@ def test_fused_kernels_lower_for_cuda(kernel, dtype):
 def test_fused_row_groups_gpu(num_tokens, masked):
     """On the GPU: beyond MAX_ONE_LAUNCH_TOKENS rows the fused forward launches per row
     group (the default), bitwise the statistics of one launch (with a keep mask too)."""
-    from jaxops import linear_mosaic
+    from jaxops.backends.mosaic import linear as mosaic_linear
 
     k = jax.random.split(jax.random.key(8), 4)
     hidden = jax.random.normal(k[0], (num_tokens, 64), F32).astype(BF16)
@@ -488,7 +492,7 @@ def test_fused_row_groups_gpu(num_tokens, masked):
     mask = (jax.random.uniform(k[3], (num_tokens, 1008)) < 0.3) if masked else None
 
     def run(row_group):
-        return jax.jit(lambda h, w, y, m: linear_mosaic.forward_stats(
+        return jax.jit(lambda h, w, y, m: mosaic_linear.forward_stats(
             h, w, y, m, inv_tau=1 / 0.7, with_entropy=True, row_group=row_group))(
             hidden, weight, targets, mask)
 
@@ -682,7 +686,7 @@ def test_chunk_merge_equals_one_pass_and_ignores_empty_sides():
     """`linear._merge` (the online log-sum-exp step over vocabulary chunks) against the
     statistics of the concatenated columns, including sides with no finite logit (max
     -inf) and no kept column (masked max -inf): their -inf must not produce NaN."""
-    from jaxops import xla
+    from jaxops.backends import xla
     from jaxops.linear import _empty_stats, _merge
 
     rng = np.random.default_rng(7)
@@ -717,7 +721,7 @@ def test_chunk_merge_equals_one_pass_and_ignores_empty_sides():
 
 def test_pallas_picks_its_backend_for_the_chunks(backend_choices):
     """The kernels read one chunk's fp32 logits [T, chunk] at a time: "pallas" chooses
-    its backend (`implementations.for_call`) for that width and 4-byte elements, not
+    its backend (`registry.for_call`) for that width and 4-byte elements, not
     for V_loc and the inputs' dtype (on Hopper, V_loc >= 65,536 in bf16 would otherwise
     send ~4096-column fp32 chunks to the Mosaic kernels, a width never timed; Triton was
     faster at the narrowest width measured, 18,992)."""

@@ -31,7 +31,8 @@ from jax.test_util import check_grads
 
 import jaxops
 from jaxops import staged
-from jaxops.pallas_config import MosaicConfig, with_tuned_defaults
+from jaxops.backends.mosaic.config import MosaicConfig
+from jaxops.backends.triton.config import with_tuned_defaults
 
 from _oracle import (  # the one float64 oracle and tolerance table (re-exported for other tests)
     VALUE_RTOL,
@@ -242,7 +243,7 @@ def test_dtypes_and_flags(implementation, dtype, with_entropy, entropy_grad):
 
 def pallas_tiles(num_vocab, dtype, mask, block_v=None):
     """(full tiles, partial tail, tile size) of a Pallas kernel's walk over V: the
-    tuned default tile (pallas_config.with_tuned_defaults: 2048 columns, 1024 with a
+    tuned default tile (triton.config.with_tuned_defaults: 2048 columns, 1024 with a
     mask, for every dtype) unless `block_v` is given."""
     block = with_tuned_defaults(jaxops.PallasConfig(block_v=block_v), num_vocab,
                                 masked=mask is not None, itemsize=jnp.dtype(dtype).itemsize)
@@ -720,7 +721,7 @@ def test_masked_max_is_the_reference_point_of_the_masked_sum(dtype):
     the kept max or the row max. Pallas returns the row max where the masked sum shares
     the row's exponentials and the kept max after its exact pass; r + log(masked_sum_exp)
     is the masked log-normaliser either way (here against XLA, which uses the kept max)."""
-    from jaxops import implementations
+    from jaxops.backends import registry
 
     logits, targets, keep_mask = make_inputs(12, (4,), BASE_V, dtype, mask="random")
     # Rows 0, 1: an unkept max 2 above the others: the kept mass is large, shared path.
@@ -733,7 +734,7 @@ def test_masked_max_is_the_reference_point_of_the_masked_sum(dtype):
     local_targets = targets.astype(jnp.int32)
 
     def stats(name, config=None):
-        return implementations.kernels(name).forward_stats(
+        return registry.kernels(name).forward_stats(
             logits, local_targets, keep_mask, inv_tau=1 / BASE_TAU, with_entropy=True,
             config=config)
 
@@ -756,12 +757,13 @@ def test_backward_out_dtype_is_the_rounded_gradient(implementation, mask):
     """`backward_logits(..., out_dtype=bf16)` on fp32 logits (what the fused head asks for)
     is bitwise the fp32 gradient rounded to bf16: the Triton kernel rounds as it stores,
     the XLA path after its arithmetic."""
-    from jaxops import contract, implementations
+    from jaxops import contract
+    from jaxops.backends import registry
 
     logits, targets, keep_mask = make_inputs(13, (37,), 300, F32, mask=mask)
     local_targets = targets.astype(jnp.int32)
     config = interpret_config(block_v=128) if implementation == "pallas" else None
-    kernels = implementations.kernels(implementation)
+    kernels = registry.kernels(implementation)
     stats = kernels.forward_stats(logits, local_targets, keep_mask, inv_tau=1 / BASE_TAU,
                                   with_entropy=True, config=config)
     rng = np.random.default_rng(0)
@@ -930,8 +932,8 @@ def test_default_implementation():
 
 
 def test_one_dispatch_policy():
-    """`implementations.resolve`: the default per platform, interpret mode off-GPU only."""
-    from jaxops.implementations import resolve
+    """`registry.resolve`: the default per platform, interpret mode off-GPU only."""
+    from jaxops.backends.registry import resolve
 
     tuned = jaxops.PallasConfig(block_v=256)
     assert resolve(None, "cpu") == ("xla", None)
@@ -950,7 +952,7 @@ def test_import_does_not_load_the_triton_lowering():
     """Pallas's Triton lowering is imported with the "pallas" implementation, not before."""
     code = ("import sys, jaxops; "
             "print(sorted(m for m in sys.modules if 'pallas.triton' in m or "
-            "m == 'jaxops.pallas_gpu'))")
+            "m == 'jaxops.backends.triton.kernels'))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "JAX_PLATFORMS": "cpu",
            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}

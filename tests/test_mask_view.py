@@ -1,8 +1,8 @@
-"""Bool keep masks handed to the Mosaic GPU kernels as bytes, in place (`jaxops/_mask_view.py`).
+"""Bool keep masks handed to the Mosaic GPU kernels as bytes, in place (`jaxops/mask_view.py`).
 
 Off-GPU: the view's own semantics (eager it converts; under jit any consumer other than
 a kernel fails to lower or converts the same 0/1 values), and the statistics and fused
-head kernels lowered for CUDA with a bool mask: with `_mask_view.ENABLED` the Mosaic
+head kernels lowered for CUDA with a bool mask: with `mask_view.ENABLED` the Mosaic
 custom call takes the bool operand itself (no uint8 copy in the program), without it a
 converted uint8 one; the choice of backend for "pallas" follows the switch.
 
@@ -21,12 +21,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxops import _mask_view, implementations
+from jaxops.backends import registry
+from jaxops.backends.mosaic import mask_view
 from jaxops.contract import BackwardCoefs
 
 from test_mosaic import _inputs as mosaic_inputs  # logits, targets, a "mixed" keep mask
 
-pallas_mosaic = pytest.importorskip("jaxops.pallas_mosaic")
+mosaic_kernels = pytest.importorskip("jaxops.backends.mosaic.kernels")
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 S = jax.ShapeDtypeStruct
@@ -40,23 +41,23 @@ def _mask(shape=(6, 40), seed=0):
 
 def test_outside_jit_it_converts():
     mask = _mask()
-    view = _mask_view.bytes_view(mask)
+    view = mask_view.bytes_view(mask)
     assert view.dtype == jnp.uint8
     np.testing.assert_array_equal(view, np.asarray(mask).astype(np.uint8))
-    np.testing.assert_array_equal(jax.vmap(_mask_view.bytes_view)(mask), view)
+    np.testing.assert_array_equal(jax.vmap(mask_view.bytes_view)(mask), view)
 
 
 def test_refuses_masks_that_are_not_bool():
     with pytest.raises(TypeError, match="bool"):
-        _mask_view.bytes_view(jnp.zeros((2, 16), jnp.uint8))
+        mask_view.bytes_view(jnp.zeros((2, 16), jnp.uint8))
 
 
 @pytest.mark.parametrize("misuse", [
-    lambda m: _mask_view.bytes_view(m),  # a jit output
-    lambda m: _mask_view.bytes_view(m) + 1,
-    lambda m: _mask_view.bytes_view(m) != 0,
-    lambda m: _mask_view.bytes_view(m)[1:3],
-    lambda m: jnp.where(_mask_view.bytes_view(m) > 0, 1.0, 2.0),
+    lambda m: mask_view.bytes_view(m),  # a jit output
+    lambda m: mask_view.bytes_view(m) + 1,
+    lambda m: mask_view.bytes_view(m) != 0,
+    lambda m: mask_view.bytes_view(m)[1:3],
+    lambda m: jnp.where(mask_view.bytes_view(m) > 0, 1.0, 2.0),
 ], ids=["output", "add", "compare", "slice", "where"])
 def test_other_consumers_fail_to_lower(misuse):
     """Only a kernel may read the view: anything else sees an i1 value typed ui8, and
@@ -67,7 +68,7 @@ def test_other_consumers_fail_to_lower(misuse):
 
 def test_a_convert_reads_the_same_values():
     mask = _mask()
-    got = jax.jit(lambda m: _mask_view.bytes_view(m).astype(jnp.float32))(mask)
+    got = jax.jit(lambda m: mask_view.bytes_view(m).astype(jnp.float32))(mask)
     np.testing.assert_array_equal(got, np.asarray(mask).astype(np.float32))
 
 
@@ -96,12 +97,12 @@ def _check_mask_operands(text: str, shape: tuple[int, ...], in_place: bool):
 @pytest.mark.parametrize("in_place", [False, True], ids=["converted", "in_place"])
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=["f32", "bf16"])
 def test_statistics_kernels_take_the_bool_mask(monkeypatch, in_place, dtype):
-    monkeypatch.setattr(_mask_view, "ENABLED", in_place)
+    monkeypatch.setattr(mask_view, "ENABLED", in_place)
     num_tokens, num_vocab = 1024, 151936
     logits, mask = S((num_tokens, num_vocab), dtype), S((num_tokens, num_vocab), jnp.bool_)
     targets, row = S((num_tokens,), jnp.int32), S((num_tokens,), F32)
-    fwd = functools.partial(pallas_mosaic.forward_stats, inv_tau=1 / 0.7, with_entropy=True)
-    bwd = functools.partial(pallas_mosaic.backward_logits, inv_tau=1 / 0.7)
+    fwd = functools.partial(mosaic_kernels.forward_stats, inv_tau=1 / 0.7, with_entropy=True)
+    bwd = functools.partial(mosaic_kernels.backward_logits, inv_tau=1 / 0.7)
     _check_mask_operands(_lowered(fwd, logits, targets, mask), mask.shape, in_place)
     _check_mask_operands(_lowered(bwd, logits, targets, mask, row, row,
                                   BackwardCoefs(row, row, row, row)), mask.shape, in_place)
@@ -113,9 +114,9 @@ def test_gradient_takes_the_saved_bool_mask(monkeypatch, in_place):
     kernels): the bool mask saved for the backward reaches the backward kernel as it
     came. (The public op itself runs the interpreter off-GPU: see the GPU test below.)"""
     from jaxops import stats
-    from jaxops.pallas_config import MosaicConfig
+    from jaxops.backends.mosaic.config import MosaicConfig
 
-    monkeypatch.setattr(_mask_view, "ENABLED", in_place)
+    monkeypatch.setattr(mask_view, "ENABLED", in_place)
     num_tokens, num_vocab = 512, 151936
 
     def loss(x, t, m):
@@ -138,12 +139,12 @@ def test_in_place_at_random_shapes(num_tokens, vocab_units, dtype, with_entropy)
     num_vocab = 16 * vocab_units
     logits, mask = S((num_tokens, num_vocab), dtype), S((num_tokens, num_vocab), jnp.bool_)
     targets, row = S((num_tokens,), jnp.int32), S((num_tokens,), F32)
-    fwd = functools.partial(pallas_mosaic.forward_stats, inv_tau=1 / 0.7,
+    fwd = functools.partial(mosaic_kernels.forward_stats, inv_tau=1 / 0.7,
                             with_entropy=with_entropy)
-    bwd = functools.partial(pallas_mosaic.backward_logits, inv_tau=1 / 0.7)
+    bwd = functools.partial(mosaic_kernels.backward_logits, inv_tau=1 / 0.7)
     coefs = BackwardCoefs(row, row if with_entropy else None, row, row)
     with pytest.MonkeyPatch.context() as patch:  # not the fixture: hypothesis reruns the body
-        patch.setattr(_mask_view, "ENABLED", True)
+        patch.setattr(mask_view, "ENABLED", True)
         _check_mask_operands(_lowered(fwd, logits, targets, mask), mask.shape, True)
         _check_mask_operands(_lowered(bwd, logits, targets, mask, row, row, coefs),
                              mask.shape, True)
@@ -152,17 +153,17 @@ def test_in_place_at_random_shapes(num_tokens, vocab_units, dtype, with_entropy)
 def test_fused_head_kernels_take_the_bool_mask(monkeypatch):
     """The fused head's statistics (in row groups at T = 8192: each group's rows of the
     bool mask go in place) and its backward kernel on one chunk."""
-    from jaxops import linear_mosaic
+    from jaxops.backends.mosaic import linear as mosaic_linear
 
-    monkeypatch.setattr(_mask_view, "ENABLED", True)
-    fwd = functools.partial(linear_mosaic.forward_stats, inv_tau=1 / 0.7, with_entropy=True)
+    monkeypatch.setattr(mask_view, "ENABLED", True)
+    fwd = functools.partial(mosaic_linear.forward_stats, inv_tau=1 / 0.7, with_entropy=True)
     text = _lowered(fwd, S((8192, 4096), BF16), S((151936, 4096), BF16),
                     S((8192,), jnp.int32), S((8192, 151936), jnp.bool_))
-    assert len(_kernel_operand_types(text)) == 8192 // linear_mosaic.ROW_GROUP
-    _check_mask_operands(text, (linear_mosaic.ROW_GROUP, 151936), in_place=True)
+    assert len(_kernel_operand_types(text)) == 8192 // mosaic_linear.ROW_GROUP
+    _check_mask_operands(text, (mosaic_linear.ROW_GROUP, 151936), in_place=True)
 
     vec = S((4096,), F32)
-    bwd = functools.partial(linear_mosaic.backward_logits, inv_tau=1 / 0.7)
+    bwd = functools.partial(mosaic_linear.backward_logits, inv_tau=1 / 0.7)
     text = _lowered(bwd, S((4096, 4096), BF16), S((4096, 4096), BF16), S((4096,), jnp.int32),
                     vec, BackwardCoefs(vec, vec, vec, vec), S((4096, 4096), jnp.bool_), vec)
     _check_mask_operands(text, (4096, 4096), in_place=True)
@@ -175,13 +176,13 @@ def test_fused_head_op_takes_the_bool_mask(monkeypatch, fused_forward, fused_bac
     chunks in a scan (each chunk's slice of the mask goes in place into the statistics
     or the fused backward kernel) or the fused forward on the whole mask."""
     from jaxops import linear
-    from jaxops.pallas_config import MosaicConfig
+    from jaxops.backends.mosaic.config import MosaicConfig
 
-    monkeypatch.setattr(_mask_view, "ENABLED", True)
+    monkeypatch.setattr(mask_view, "ENABLED", True)
     num_tokens, hidden_size, num_vocab, chunk = 1024, 512, 32768, 4096
 
     def loss(h, w, t, m):
-        out = linear._linear_local_stats(h, w, t, m, 1 / 0.7, True, True, "pallas_mosaic",
+        out = linear.linear_local_stats(h, w, t, m, 1 / 0.7, True, True, "pallas_mosaic",
                                          MosaicConfig(), chunk, fused_forward,
                                          fused_backward)
         return (out.sum_exp_shifted / out.sum_exp + out.masked_sum_exp).sum()
@@ -199,13 +200,13 @@ def test_in_place_under_shard_map(monkeypatch):
     """Vocab-parallel (`shard_map`, vma checked): the view keeps the mask's varying axes."""
     from jax.sharding import PartitionSpec as P
 
-    monkeypatch.setattr(_mask_view, "ENABLED", True)
+    monkeypatch.setattr(mask_view, "ENABLED", True)
     mesh = jax.make_mesh((1,), ("tp",), axis_types=(jax.sharding.AxisType.Auto,),
                          devices=jax.devices()[:1])
     num_tokens, num_vocab = 256, 151936
 
     def stats(x, t, m):
-        out = pallas_mosaic.forward_stats(x, t, m, inv_tau=1.0, with_entropy=True)
+        out = mosaic_kernels.forward_stats(x, t, m, inv_tau=1.0, with_entropy=True)
         return out.max_logit, out.masked_sum_exp
 
     sharded = jax.shard_map(stats, mesh=mesh, in_specs=(P(None, "tp"), P(), P(None, "tp")),
@@ -219,9 +220,9 @@ def test_in_place_under_vmap(monkeypatch):
     """vmap with the batch on a non-leading axis: the view's batching rule moves the axis
     on the bool side, so the kernel's batching rule has nothing to move on the view
     (which would be a transpose of it: a program that fails to lower)."""
-    monkeypatch.setattr(_mask_view, "ENABLED", True)
+    monkeypatch.setattr(mask_view, "ENABLED", True)
     batch, num_tokens, num_vocab = 2, 64, 18992
-    stats = jax.vmap(lambda x, t, m: pallas_mosaic.forward_stats(
+    stats = jax.vmap(lambda x, t, m: mosaic_kernels.forward_stats(
         x, t, m, inv_tau=1.0, with_entropy=True).max_logit, in_axes=1)
     text = _lowered(stats, S((num_tokens, batch, num_vocab), BF16),
                     S((num_tokens, batch), jnp.int32),
@@ -231,9 +232,9 @@ def test_in_place_under_vmap(monkeypatch):
 
 @pytest.mark.parametrize("enabled, want", [(False, "pallas_triton"), (True, "pallas_mosaic")])
 def test_pallas_routes_bool_masks_by_the_switch(monkeypatch, enabled, want):
-    monkeypatch.setattr(_mask_view, "ENABLED", enabled)
-    assert implementations.pallas_backend(151936, 2, np.bool_, (9, 0)) == want
-    assert implementations.pallas_backend(151936, 2, np.uint8, (9, 0)) == "pallas_mosaic"
+    monkeypatch.setattr(mask_view, "ENABLED", enabled)
+    assert registry.pallas_backend(151936, 2, np.bool_, (9, 0)) == want
+    assert registry.pallas_backend(151936, 2, np.uint8, (9, 0)) == "pallas_mosaic"
 
 
 # --- on the GPU ---------------------------------------------------------------------------
@@ -252,15 +253,15 @@ def _assert_trees_equal(got, want):
 @pytest.mark.parametrize("num_tokens, num_vocab", [(1, 151936), (1000, 18992),
                                                    (8192, 151936)])
 def test_gpu_bool_in_place_is_bitwise_uint8(monkeypatch, num_tokens, num_vocab, dtype):
-    monkeypatch.setattr(_mask_view, "ENABLED", True)
+    monkeypatch.setattr(mask_view, "ENABLED", True)
     logits, targets, mask = mosaic_inputs(0, num_tokens, num_vocab, dtype, "mixed")
     targets = targets.at[0].set(num_vocab + 5).astype(jnp.int32)  # row 0: target elsewhere
     coefs = _coefs(num_tokens, 1)
 
     @jax.jit
     def run(x, t, m, c):
-        stats = pallas_mosaic.forward_stats(x, t, m, inv_tau=1 / 0.8, with_entropy=True)
-        return stats, pallas_mosaic.backward_logits(x, t, m, stats.max_logit,
+        stats = mosaic_kernels.forward_stats(x, t, m, inv_tau=1 / 0.8, with_entropy=True)
+        return stats, mosaic_kernels.backward_logits(x, t, m, stats.max_logit,
                                                     stats.masked_max, c, inv_tau=1 / 0.8)
 
     text = run.trace(logits, targets, mask, coefs).lower().as_text()
@@ -276,7 +277,7 @@ def test_gpu_public_op_bool_in_place_is_bitwise_uint8(monkeypatch):
     runs the interpreter, so this path is lowered for CUDA only here.)"""
     import jaxops
 
-    monkeypatch.setattr(_mask_view, "ENABLED", True)
+    monkeypatch.setattr(mask_view, "ENABLED", True)
     logits, targets, mask = mosaic_inputs(1, 4096, 151936, BF16, "mixed")
 
     @jax.jit
@@ -295,9 +296,9 @@ def test_gpu_public_op_bool_in_place_is_bitwise_uint8(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_tokens", [1024, 8192])
 def test_gpu_fused_head_bool_in_place_is_bitwise_uint8(monkeypatch, num_tokens):
-    from jaxops import linear_mosaic
+    from jaxops.backends.mosaic import linear as mosaic_linear
 
-    monkeypatch.setattr(_mask_view, "ENABLED", True)
+    monkeypatch.setattr(mask_view, "ENABLED", True)
     k = jax.random.split(jax.random.key(2), 3)
     hidden = jax.random.normal(k[0], (num_tokens, 512), F32).astype(BF16)
     weight = (jax.random.normal(k[1], (32768, 512), F32) / 16).astype(BF16)
@@ -307,8 +308,8 @@ def test_gpu_fused_head_bool_in_place_is_bitwise_uint8(monkeypatch, num_tokens):
 
     @jax.jit
     def run(h, w, t, m, c):
-        stats = linear_mosaic.forward_stats(h, w, t, m, inv_tau=1 / 0.8, with_entropy=True)
-        return stats, linear_mosaic.backward_logits(h, w, t, stats.max_logit, c, m,
+        stats = mosaic_linear.forward_stats(h, w, t, m, inv_tau=1 / 0.8, with_entropy=True)
+        return stats, mosaic_linear.backward_logits(h, w, t, stats.max_logit, c, m,
                                                     stats.masked_max, inv_tau=1 / 0.8)
 
     _assert_trees_equal(run(hidden, weight, targets, mask, coefs),

@@ -1,4 +1,4 @@
-"""The Mosaic GPU kernels (`jaxops/pallas_mosaic.py`, implementation "pallas_mosaic").
+"""The Mosaic GPU kernels (`jaxops/backends/mosaic/`, implementation "pallas_mosaic").
 
 Off-GPU: the kernels run in Mosaic GPU's interpret mode on small shapes (T not a
 multiple of the 64-row block, V_loc not a multiple of the tile, a vocabulary split
@@ -23,9 +23,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import jaxops
-from jaxops import implementations, xla
+from jaxops.backends import registry
+from jaxops.backends import xla
+from jaxops.backends.mosaic.config import MosaicConfig
+from jaxops.backends.triton.config import PallasConfig
 from jaxops.contract import BackwardCoefs
-from jaxops.pallas_config import MosaicConfig, PallasConfig
 
 from _oracle import (
     assert_grad_close,
@@ -36,7 +38,9 @@ from _oracle import (
     value_bound,
 )
 
-pallas_mosaic = pytest.importorskip("jaxops.pallas_mosaic")
+mosaic_kernels = pytest.importorskip("jaxops.backends.mosaic.kernels")
+from jaxops.backends.mosaic import backward as mosaic_backward  # noqa: E402
+from jaxops.backends.mosaic import common as mosaic_common  # noqa: E402
 
 F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
 # Small chunks, so that the interpret-mode shapes split the vocabulary over CTAs too.
@@ -130,14 +134,14 @@ def test_stats_edge_cases_match_xla(masked):
     logits, targets, mask = _stats_inputs()
     mask = mask if masked else None
     inv_tau = 1 / 0.9
-    got = pallas_mosaic.forward_stats(logits, targets, mask, inv_tau=inv_tau,
+    got = mosaic_kernels.forward_stats(logits, targets, mask, inv_tau=inv_tau,
                                       with_entropy=True, config=INTERPRET)
     want = xla.forward_stats(logits, targets, mask, inv_tau=inv_tau, with_entropy=True)
     np.testing.assert_array_equal(got.max_logit, want.max_logit)  # the same max, exactly
     np.testing.assert_array_equal(got.target_logit, want.target_logit)
     # Sums are compared through what is computed from them, to design §8's bound: at
     # |x| ~ 1e4 the kernels' d = raw * (log2 e / tau) - m log2 e (one FMA, as in
-    # pallas_gpu.py) is off by ~eps * |x| from x - m.
+    # backends/triton/kernels.py) is off by ~eps * |x| from x - m.
     bound = value_bound(logits, 1 / inv_tau)
     finite = np.isfinite(np.asarray(want.max_logit))
     assert_values_close("lse", _lse(got.max_logit, got.sum_exp)[finite],
@@ -146,7 +150,7 @@ def test_stats_edge_cases_match_xla(masked):
                         bound[finite])
     assert got.max_logit[1] == -np.inf and got.sum_exp[1] == 0 and got.sum_exp_shifted[1] == 0
     if masked:
-        # masked_max is the kept maximum here, as in xla.py: comparable field by field.
+        # masked_max is the kept maximum here, as in backends/xla.py: comparable field by field.
         np.testing.assert_array_equal(got.masked_max, want.masked_max)
         kept = np.isfinite(np.asarray(want.masked_max))
         assert_values_close("masked lse", _lse(got.masked_max, got.masked_sum_exp)[kept],
@@ -157,7 +161,7 @@ def test_stats_edge_cases_match_xla(masked):
     coefs = [jax.random.normal(k, targets.shape, jnp.float32) for k in keys]
     coefs = BackwardCoefs(coefs[0], coefs[1], coefs[2], coefs[3] if masked else None)
     args = (logits, targets, mask, want.max_logit, want.masked_max, coefs)
-    grad = pallas_mosaic.backward_logits(*args, inv_tau=inv_tau, config=INTERPRET)
+    grad = mosaic_kernels.backward_logits(*args, inv_tau=inv_tau, config=INTERPRET)
     grad_xla = xla.backward_logits(*args, inv_tau=inv_tau)
     assert grad.dtype == logits.dtype and grad.shape == logits.shape
     assert_grad_close(grad, grad_xla, F32, max_abs_x=largest_abs_x(logits, 1 / inv_tau))
@@ -171,11 +175,11 @@ def test_rows_are_batch_invariant_in_interpret_mode():
     coefs = BackwardCoefs(*[jnp.linspace(-1, 1, 70, dtype=jnp.float32) + i for i in range(4)])
 
     def run(rows):
-        stats = pallas_mosaic.forward_stats(logits[rows], targets[rows], mask[rows],
+        stats = mosaic_kernels.forward_stats(logits[rows], targets[rows], mask[rows],
                                             inv_tau=inv_tau, with_entropy=True,
                                             config=INTERPRET)
         row_coefs = BackwardCoefs(*[c[rows] for c in coefs])
-        grad = pallas_mosaic.backward_logits(
+        grad = mosaic_kernels.backward_logits(
             logits[rows], targets[rows], mask[rows], stats.max_logit, stats.masked_max,
             row_coefs, inv_tau=inv_tau, config=INTERPRET)
         return stats, grad
@@ -203,10 +207,10 @@ def test_far_kept_maximum_does_not_change_its_neighbours():
     coefs = BackwardCoefs(*[jnp.linspace(-1, 1, 70, dtype=jnp.float32) + i for i in range(4)])
 
     def run(rows):
-        stats = pallas_mosaic.forward_stats(logits[rows], targets[rows], mask[rows],
+        stats = mosaic_kernels.forward_stats(logits[rows], targets[rows], mask[rows],
                                             inv_tau=inv_tau, with_entropy=True,
                                             config=INTERPRET)
-        grad = pallas_mosaic.backward_logits(
+        grad = mosaic_kernels.backward_logits(
             logits[rows], targets[rows], mask[rows], stats.max_logit, stats.masked_max,
             BackwardCoefs(*[c[rows] for c in coefs]), inv_tau=inv_tau, config=INTERPRET)
         return stats, grad
@@ -222,10 +226,13 @@ def test_far_kept_maximum_does_not_change_its_neighbours():
 
 
 def test_unaligned_vocabulary_falls_back_to_xla():
+    """The registry, not the kernels, sends a V_loc the TMA tiles cannot take to XLA."""
     logits, targets, mask = _inputs(2, 3, 1001, F32, "random")
+    assert registry.fallback_reason("pallas_mosaic", logits, mask, INTERPRET)
+    assert registry.fallback_reason("pallas_mosaic", logits[:, :992], mask, INTERPRET) is None
     with pytest.warns(RuntimeWarning, match="XLA implementation"):
-        got = pallas_mosaic.forward_stats(logits, targets, mask, inv_tau=1.0,
-                                          with_entropy=False, config=INTERPRET)
+        got = registry.kernels("pallas_mosaic").forward_stats(
+            logits, targets, mask, inv_tau=1.0, with_entropy=False, config=INTERPRET)
     want = xla.forward_stats(logits, targets, mask, inv_tau=1.0, with_entropy=False)
     for a, b in zip(got, want):
         if a is not None:
@@ -234,30 +241,31 @@ def test_unaligned_vocabulary_falls_back_to_xla():
 
 def test_empty_batch():
     logits = jnp.zeros((0, 1024), F32)
-    stats = pallas_mosaic.forward_stats(logits, jnp.zeros((0,), jnp.int32), None,
-                                        inv_tau=1.0, with_entropy=True, config=INTERPRET)
+    stats = registry.kernels("pallas_mosaic").forward_stats(
+        logits, jnp.zeros((0,), jnp.int32), None, inv_tau=1.0, with_entropy=True,
+        config=INTERPRET)
     assert stats.max_logit.shape == (0,)
 
 
 def test_chunking_depends_on_vocabulary_only():
-    tiles, chunks, per_chunk = pallas_mosaic._chunking(151936, 128, 4096)
+    tiles, chunks, per_chunk = mosaic_common.vocab_chunks(151936, 128, 4096)
     assert (tiles, chunks, per_chunk) == (1187, 36, 33)  # one tile of overlap in all
     for num_vocab in (640, 1000, 18992, 151936, 262144):
-        tiles, chunks, per_chunk = pallas_mosaic._chunking(num_vocab, 128, 4096)
+        tiles, chunks, per_chunk = mosaic_common.vocab_chunks(num_vocab, 128, 4096)
         assert per_chunk <= tiles and 0 <= chunks * per_chunk - tiles < per_chunk
 
 
 def test_implementation_names():
     assert "pallas_mosaic" in jaxops.IMPLEMENTATIONS and "pallas_triton" in jaxops.IMPLEMENTATIONS
-    name, config = implementations.resolve("pallas_mosaic", platform="cpu")
+    name, config = registry.resolve("pallas_mosaic", platform="cpu")
     assert name == "pallas_mosaic" and config == MosaicConfig(interpret=True)
-    name, config = implementations.resolve("pallas_mosaic", platform="gpu",
+    name, config = registry.resolve("pallas_mosaic", platform="gpu",
                                            pallas_config=PallasConfig())
     assert config == MosaicConfig()
-    assert implementations.kernels("pallas_mosaic") is pallas_mosaic
-    assert implementations.kernels("pallas").__name__ == "jaxops.pallas_gpu"
-    assert implementations.kernels("pallas_triton").__name__ == "jaxops.pallas_gpu"
-    _, config = implementations.resolve("pallas", platform="cpu")
+    assert registry.kernels("pallas_mosaic").module is mosaic_kernels
+    assert registry.kernels("pallas").module.__name__ == "jaxops.backends.triton.kernels"
+    assert registry.kernels("pallas_triton").module.__name__ == "jaxops.backends.triton.kernels"
+    _, config = registry.resolve("pallas", platform="cpu")
     assert isinstance(config, PallasConfig) and config.interpret
 
 
@@ -278,15 +286,15 @@ def test_implementation_names():
     (151936 + 8, 4, np.uint8, (9, 0), True, "pallas_triton"),  # mask row stride % 16
 ])
 def test_which_backend_pallas_means(num_vocab, itemsize, mask_dtype, capability, usable, want):
-    assert implementations.pallas_backend(num_vocab, itemsize, mask_dtype, capability,
+    assert registry.pallas_backend(num_vocab, itemsize, mask_dtype, capability,
                                           usable) == want
 
 
 def test_the_fused_heads_narrow_chunks_keep_triton():
-    minimum = implementations.FUSED_CHUNK_MOSAIC_MIN_VOCAB
-    assert implementations.pallas_backend(minimum - 8, 4, None, (9, 0), True,
+    minimum = registry.FUSED_CHUNK_MOSAIC_MIN_VOCAB
+    assert registry.pallas_backend(minimum - 8, 4, None, (9, 0), True,
                                           min_mosaic_vocab=minimum) == "pallas_triton"
-    assert implementations.pallas_backend(minimum, 4, None, (9, 0), True,
+    assert registry.pallas_backend(minimum, 4, None, (9, 0), True,
                                           min_mosaic_vocab=minimum) == "pallas_mosaic"
 
 
@@ -294,14 +302,14 @@ def test_the_in_place_gradient_is_offered_where_jax_lowers_input_stores():
     """`backward_logits(into=)` stores into an input, which jax 0.12 refuses to lower:
     `can_write_into` says no there, so callers (the bridge) take JAX's gradient."""
     version = tuple(int(p) for p in jax.__version__.split(".")[:2])
-    assert pallas_mosaic.STORES_INTO_INPUTS == (version < (0, 12))
+    assert mosaic_kernels.STORES_INTO_INPUTS == (version < (0, 12))
     logits = jax.ShapeDtypeStruct((8, 1024), jnp.bfloat16)
     for enabled in (False, True):
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(pallas_mosaic, "IN_PLACE_GRADIENT", enabled)
-            assert pallas_mosaic.can_write_into(logits, None, MosaicConfig()) == (
+            patch.setattr(mosaic_backward, "IN_PLACE_GRADIENT", enabled)
+            assert mosaic_kernels.can_write_into(logits, None, MosaicConfig()) == (
                 enabled and version < (0, 12))
-            assert not pallas_mosaic.can_write_into(logits, None,
+            assert not mosaic_kernels.can_write_into(logits, None,
                                                     MosaicConfig(interpret=True))
 
 
@@ -310,7 +318,7 @@ def test_which_backend_pallas_means_is_not_a_function_of_t():
     takes no T."""
     import inspect
 
-    for fn in (implementations.pallas_backend, implementations.for_call):
+    for fn in (registry.pallas_backend, registry.for_call):
         assert not {"num_tokens", "T"} & set(inspect.signature(fn).parameters)
 
 
@@ -321,13 +329,13 @@ def test_pallas_is_made_concrete_per_call(monkeypatch):
     class Hopper:
         device_kind, compute_capability = "NVIDIA H200", "9.0"
 
-    cached = implementations._first_gpu_capability
+    cached = registry._first_gpu_capability
     gpu_triton = PallasConfig()
     shape = dict(num_vocab=151936, itemsize=2, platform="gpu")
     try:
         cached.cache_clear()
         monkeypatch.setattr(jax, "devices", lambda *a: [Hopper()])
-        for_call = implementations.for_call
+        for_call = registry.for_call
         assert for_call("pallas", gpu_triton, None, mask_dtype=None, **shape) == (
             "pallas_mosaic", MosaicConfig())
         assert for_call("pallas", gpu_triton, None, mask_dtype=jnp.bool_, **shape) == (
@@ -361,14 +369,14 @@ def _lower_for_cuda(num_tokens, num_vocab, dtype, masked, with_entropy):
     row = S((num_tokens,), jnp.float32)
 
     def fwd(x, t, m):
-        return pallas_mosaic.forward_stats(x, t, m, inv_tau=1 / 0.7,
+        return mosaic_kernels.forward_stats(x, t, m, inv_tau=1 / 0.7,
                                            with_entropy=with_entropy)
 
     def bwd(x, t, m, mx, mm, c):
-        return pallas_mosaic.backward_logits(x, t, m, mx, mm, c, inv_tau=1 / 0.7)
+        return mosaic_kernels.backward_logits(x, t, m, mx, mm, c, inv_tau=1 / 0.7)
 
     def bwd_into(x, t, m, mx, mm, c, into):
-        return pallas_mosaic.backward_logits(x, t, m, mx, mm, c, inv_tau=1 / 0.7, into=into)
+        return mosaic_kernels.backward_logits(x, t, m, mx, mm, c, inv_tau=1 / 0.7, into=into)
 
     coefs = BackwardCoefs(row, row if with_entropy else None, row, row if masked else None)
     texts = [
@@ -376,7 +384,7 @@ def _lower_for_cuda(num_tokens, num_vocab, dtype, masked, with_entropy):
         jax.jit(bwd).trace(logits, targets, mask, row, row if masked else None, coefs)
         .lower(lowering_platforms=("cuda",)).as_text(),
     ]
-    if pallas_mosaic.STORES_INTO_INPUTS:  # else `into` is refused (test below)
+    if mosaic_kernels.STORES_INTO_INPUTS:  # else `into` is refused (test below)
         texts.append(jax.jit(bwd_into).trace(
             logits, targets, mask, row, row if masked else None, coefs, logits,
         ).lower(lowering_platforms=("cuda",)).as_text())
@@ -441,7 +449,7 @@ def test_gpu_matches_xla(num_tokens, num_vocab, dtype, masked):
     config = MosaicConfig()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        got = jax.jit(lambda x, t, m: pallas_mosaic.forward_stats(
+        got = jax.jit(lambda x, t, m: mosaic_kernels.forward_stats(
             x, t, m, inv_tau=inv_tau, with_entropy=True, config=config))(logits, targets, mask)
     want = jax.jit(lambda x, t, m: xla.forward_stats(
         x, t, m, inv_tau=inv_tau, with_entropy=True))(logits, targets, mask)
@@ -464,7 +472,7 @@ def test_gpu_matches_xla(num_tokens, num_vocab, dtype, masked):
         coefs = coefs._replace(coef_masked=None)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        grad = jax.jit(lambda *a: pallas_mosaic.backward_logits(
+        grad = jax.jit(lambda *a: mosaic_kernels.backward_logits(
             *a, inv_tau=inv_tau, config=config))(logits, targets, mask, want.max_logit,
                                                  want.masked_max, coefs)
     grad_xla = jax.jit(lambda *a: xla.backward_logits(*a, inv_tau=inv_tau))(
@@ -487,14 +495,14 @@ def test_gpu_write_through_matches_the_allocated_gradient(num_tokens, dtype, mas
     coefs = BackwardCoefs(*[jax.random.normal(k, (num_tokens,), jnp.float32) for k in keys])
     if not masked:
         coefs = coefs._replace(coef_masked=None)
-    stats = jax.jit(lambda x, t, m: pallas_mosaic.forward_stats(
+    stats = jax.jit(lambda x, t, m: mosaic_kernels.forward_stats(
         x, t, m, inv_tau=1.25, with_entropy=True))(logits, targets, mask)
     args = (logits, targets, mask, stats.max_logit, stats.masked_max, coefs)
-    want = jax.jit(lambda *a: pallas_mosaic.backward_logits(*a, inv_tau=1.25))(*args)
+    want = jax.jit(lambda *a: mosaic_kernels.backward_logits(*a, inv_tau=1.25))(*args)
     buffer = jnp.full(logits.shape, jnp.nan, dtype)
-    monkeypatch.setattr(pallas_mosaic, "IN_PLACE_GRADIENT", True)
-    assert pallas_mosaic.can_write_into(logits, mask, MosaicConfig())
-    token = jax.jit(lambda *a, into: pallas_mosaic.backward_logits(
+    monkeypatch.setattr(mosaic_backward, "IN_PLACE_GRADIENT", True)
+    assert mosaic_kernels.can_write_into(logits, mask, MosaicConfig())
+    token = jax.jit(lambda *a, into: mosaic_kernels.backward_logits(
         *a, inv_tau=1.25, into=into))(*args, into=buffer)
     assert token.shape == (num_tokens,) and token.dtype == jnp.float32
     token.block_until_ready()
@@ -519,8 +527,8 @@ def test_gpu_batch_invariance(num_vocab, dtype, masked):
 
     @jax.jit
     def run(x, t, m, c):
-        stats = pallas_mosaic.forward_stats(x, t, m, inv_tau=inv_tau, with_entropy=True)
-        return stats, pallas_mosaic.backward_logits(x, t, m, stats.max_logit,
+        stats = mosaic_kernels.forward_stats(x, t, m, inv_tau=inv_tau, with_entropy=True)
+        return stats, mosaic_kernels.backward_logits(x, t, m, stats.max_logit,
                                                     stats.masked_max, c, inv_tau=inv_tau)
 
     def rows(idx):
@@ -548,15 +556,44 @@ def test_mosaic_refuses_gpus_before_hopper(monkeypatch):
     class Hopper:
         device_kind, compute_capability = "NVIDIA H200", "9.0"
 
-    cached = implementations._first_gpu_capability  # the devices are looked up once
+    cached = registry._first_gpu_capability  # the devices are looked up once
     try:
         cached.cache_clear()
         monkeypatch.setattr(jax, "devices", lambda *a: [Ampere()])
         with pytest.raises(ValueError, match="capability >= 9.0.*has 8.0.*pallas_triton"):
-            implementations.resolve("pallas_mosaic", "gpu")
-        assert implementations.resolve("pallas_triton", "gpu")[0] == "pallas_triton"
+            registry.resolve("pallas_mosaic", "gpu")
+        assert registry.resolve("pallas_triton", "gpu")[0] == "pallas_triton"
         cached.cache_clear()
         monkeypatch.setattr(jax, "devices", lambda *a: [Hopper()])
-        assert implementations.resolve("pallas_mosaic", "gpu")[0] == "pallas_mosaic"
+        assert registry.resolve("pallas_mosaic", "gpu")[0] == "pallas_mosaic"
     finally:
         cached.cache_clear()
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_gradient_inside_shard_map_with_vma_types_lowers_for_cuda(masked):
+    """`plgpu.kernel` traces with the vma check off, so the compiled kernels' outputs come
+    back invariant; inside `shard_map(check_vma=True)` the custom VJP's backward then
+    returned an invariant gradient for a varying input (a ValueError on the GPU). The
+    kernels mark their outputs varying like their inputs (`contract.vary_like`). The
+    interpreter refuses varying inputs, so this lowers the compiled kernels for CUDA."""
+    from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: N817
+
+    from jaxops import stats
+
+    mesh = jax.make_mesh((1,), ("v",))
+    split, whole = NamedSharding(mesh, P(None, "v")), NamedSharding(mesh, P())
+
+    def loss(z, t, m):
+        s = stats.local_stats(z, t, m, 1.0, True, True, "pallas_mosaic", MosaicConfig())
+        extra = s.masked_sum_exp.sum() if m is not None else 0.0
+        return s.sum_exp.sum() + s.max_logit.sum() + s.sum_exp_shifted.sum() + extra
+
+    mask_spec = P(None, "v") if masked else None
+    grad = jax.shard_map(jax.grad(loss), mesh=mesh, in_specs=(P(None, "v"), P(), mask_spec),
+                         out_specs=P(None, "v"))
+    x = jax.ShapeDtypeStruct((64, 1024), BF16, sharding=split)
+    t = jax.ShapeDtypeStruct((64,), jnp.int32, sharding=whole)
+    m = jax.ShapeDtypeStruct((64, 1024), jnp.uint8, sharding=split) if masked else None
+    text = jax.jit(grad).trace(x, t, m).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text

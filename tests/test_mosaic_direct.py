@@ -1,4 +1,4 @@
-"""The direct route's kernels (`jaxops/mosaic_direct.py`) off-GPU: Mosaic GPU's interpret
+"""The direct route's kernels (`jaxops/backends/mosaic/direct.py`) off-GPU: Mosaic GPU's interpret
 mode against the float64 reference (forward outputs and the gradient for every flag),
 and their CUDA lowering at production sizes, in the one-kernel form that
 `plgpu.as_torch_kernel` accepts. On the GPU they run through the bridge
@@ -15,24 +15,26 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxops.pallas_config import MosaicConfig
+from jaxops.backends.mosaic.config import MosaicConfig
 
 from _oracle import assert_op_close, reference64
 from test_mosaic import BF16, F32, _inputs
 
-md = pytest.importorskip("jaxops.mosaic_direct")
+md = pytest.importorskip("jaxops.backends.mosaic.direct")
+from jaxops.backends.mosaic import direct_rows  # noqa: E402
+from jaxops.backends.mosaic import common as mosaic_common  # noqa: E402
 
 # The direct kernels store into buffers their caller owns, which jax 0.12 refuses to
-# lower (`pallas_mosaic.STORES_INTO_INPUTS`): there the route is off (the test below).
+# lower (`mosaic_common.STORES_INTO_INPUTS`): there the route is off (the test below).
 needs_input_stores = pytest.mark.skipif(
-    not md.pm.STORES_INTO_INPUTS,
+    not mosaic_common.STORES_INTO_INPUTS,
     reason=f"jax {jax.__version__} lowers no store into an input: the direct route is off")
 
 
 def test_the_direct_route_is_on_exactly_where_jax_lowers_input_stores():
     version = tuple(int(p) for p in jax.__version__.split(".")[:2])
-    assert md.pm.STORES_INTO_INPUTS == (version < (0, 12))
-    assert md.supported(151936, 2, True) == md.pm.STORES_INTO_INPUTS
+    assert mosaic_common.STORES_INTO_INPUTS == (version < (0, 12))
+    assert md.supported(151936, 2, True) == mosaic_common.STORES_INTO_INPUTS
 
 INTERPRET = MosaicConfig(interpret=True, chunk_v=512)  # several chunks at these V
 
@@ -58,14 +60,14 @@ def test_direct_kernels_match_float64(case):
     logits, targets, mask = _inputs(num_tokens * 7 + num_vocab, num_tokens, num_vocab,
                                     dtype, mask_kind)
     targets = targets.astype(jnp.int32)
-    log_prob, entropy, saved = md.logprob_entropy_rows(
+    log_prob, entropy, saved = direct_rows.logprob_entropy_rows(
         logits, targets, mask, inv_tau=1 / tau, with_entropy=with_entropy,
         gathered_target=gathered, config=INTERPRET)
     keys = jax.random.split(jax.random.key(3), 2)
     g_lp = jax.random.normal(keys[0], (num_tokens,)) if cots != "entropy" else None
     g_h = (jax.random.normal(keys[1], (num_tokens,))
            if with_entropy and cots != "lp" else None)
-    grad = md.logits_grad_rows(logits, targets, mask, saved, g_lp, g_h, inv_tau=1 / tau,
+    grad = direct_rows.logits_grad_rows(logits, targets, mask, saved, g_lp, g_h, inv_tau=1 / tau,
                                with_entropy=with_entropy, config=INTERPRET)
     zeros = jnp.zeros((num_tokens,))
     lp64, ent64, grad64 = reference64(logits, targets, mask,
@@ -85,8 +87,8 @@ def test_single_kernel_forward_equals_two_kernels_bitwise(dtype, mask_kind, with
     targets = targets.astype(jnp.int32).at[3].set(-1).at[4].set(512)  # invalid rows too
     assert md.one_pass(512, dtype, mask is not None, INTERPRET)
     kw = dict(inv_tau=1 / 0.7, with_entropy=with_entropy, config=INTERPRET)
-    one = md.logprob_entropy_rows(logits, targets, mask, single_kernel=True, **kw)
-    two = md.logprob_entropy_rows(logits, targets, mask, single_kernel=False, **kw)
+    one = direct_rows.logprob_entropy_rows(logits, targets, mask, single_kernel=True, **kw)
+    two = direct_rows.logprob_entropy_rows(logits, targets, mask, single_kernel=False, **kw)
     for a, b in zip(jax.tree.leaves(one), jax.tree.leaves(two)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="chunk_v"):
@@ -98,11 +100,11 @@ def test_single_kernel_forward_equals_two_kernels_bitwise(dtype, mask_kind, with
 def test_entropy_grad_off_ignores_d_entropy():
     logits, targets, _ = _inputs(1, 40, 512, F32, None)
     targets = targets.astype(jnp.int32)
-    _, _, saved = md.logprob_entropy_rows(logits, targets, None, config=INTERPRET)
+    _, _, saved = direct_rows.logprob_entropy_rows(logits, targets, None, config=INTERPRET)
     g = jnp.ones((40,))
     kw = dict(config=INTERPRET)
-    off = md.logits_grad_rows(logits, targets, None, saved, g, g, entropy_grad=False, **kw)
-    lp_only = md.logits_grad_rows(logits, targets, None, saved, g, None, **kw)
+    off = direct_rows.logits_grad_rows(logits, targets, None, saved, g, g, entropy_grad=False, **kw)
+    lp_only = direct_rows.logits_grad_rows(logits, targets, None, saved, g, None, **kw)
     np.testing.assert_array_equal(np.asarray(off), np.asarray(lp_only))
 
 
@@ -123,13 +125,13 @@ def test_wide_targets_equal_int32_ids_bitwise(form, mask_kind):
     words = jnp.asarray(ids.view(np.int32))  # little-endian: (low, high) per id
     kw = dict(inv_tau=1 / 0.7, with_entropy=True, config=INTERPRET,
               single_kernel=form == "single", gathered_target=form == "gathered")
-    a = md.logprob_entropy_rows(logits, narrow, mask, **kw)
-    b = md.logprob_entropy_rows(logits, words, mask, wide_targets=True, **kw)
+    a = direct_rows.logprob_entropy_rows(logits, narrow, mask, **kw)
+    b = direct_rows.logprob_entropy_rows(logits, words, mask, wide_targets=True, **kw)
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
     assert np.isnan(np.asarray(b[0])[:8]).all() and np.isfinite(np.asarray(b[0])[8:]).all()
     g = jax.random.normal(jax.random.key(1), (2, num_tokens))
-    grads = [md.logits_grad_rows(logits, t, mask, saved, g[0], g[1], inv_tau=1 / 0.7,
+    grads = [direct_rows.logits_grad_rows(logits, t, mask, saved, g[0], g[1], inv_tau=1 / 0.7,
                                  wide_targets=wide, config=INTERPRET)
              for t, saved, wide in ((narrow, a[2], False), (words, b[2], True))]
     np.testing.assert_array_equal(np.asarray(grads[0]), np.asarray(grads[1]))
@@ -139,7 +141,7 @@ def test_wide_targets_equal_int32_ids_bitwise(form, mask_kind):
 def test_out_of_range_targets_give_nan():
     logits, _, _ = _inputs(2, 4, 512, F32, None)
     targets = jnp.array([0, -1, 512, 511], jnp.int32)
-    log_prob, entropy, _ = md.logprob_entropy_rows(logits, targets, config=INTERPRET)
+    log_prob, entropy, _ = direct_rows.logprob_entropy_rows(logits, targets, config=INTERPRET)
     np.testing.assert_array_equal(np.isnan(np.asarray(log_prob)), [False, True, True, False])
     assert np.all(np.isfinite(np.asarray(entropy)))
 

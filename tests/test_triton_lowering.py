@@ -16,15 +16,15 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from jaxops import pallas_gpu
+from jaxops.backends.triton import kernels as triton_kernels
+from jaxops.backends.triton.config import PallasConfig
 from jaxops.contract import BackwardCoefs
-from jaxops.pallas_config import PallasConfig
 
 lowering = pytest.importorskip("jax._src.pallas.triton.lowering")
 
 S = jax.ShapeDtypeStruct
 # The tuned defaults (which differ by dtype, mask and entropy) and explicit variants that
-# take the kernels' other branches (`pallas_config.PallasConfig`).
+# take the kernels' other branches (`triton.config.PallasConfig`).
 CONFIGS = {"tuned": PallasConfig(),
            "all_on": PallasConfig(prefetch=True, scalar_sums=True, skip_rescale=True),
            "all_off": PallasConfig(prefetch=False, scalar_sums=False, skip_rescale=False,
@@ -63,7 +63,7 @@ def _fake_hopper_gpu_info(monkeypatch):
 
 def _forward(config, masked, with_entropy):
     def fn(logits, targets, mask):
-        stats = pallas_gpu.forward_stats(logits, targets, mask if masked else None,
+        stats = triton_kernels.forward_stats(logits, targets, mask if masked else None,
                                          inv_tau=1.4, with_entropy=with_entropy,
                                          config=config)
         return [s for s in stats if s is not None]
@@ -74,7 +74,7 @@ def _backward(config, masked, entropy):
     def fn(logits, targets, mask):
         row = jnp.ones(targets.shape, jnp.float32)
         coefs = BackwardCoefs(row, row if entropy else None, row, row if masked else None)
-        return pallas_gpu.backward_logits(logits, targets, mask if masked else None, row,
+        return triton_kernels.backward_logits(logits, targets, mask if masked else None, row,
                                           row if masked else None, coefs, inv_tau=1.4,
                                           config=config)
     return fn

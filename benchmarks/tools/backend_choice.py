@@ -1,5 +1,5 @@
 """Which Pallas backend is faster, per shape (issue 14): what `implementation="pallas"`
-picks is read off this (`jaxops.implementations.pallas_backend`, MOSAIC_MIN_VOCAB).
+picks is read off this (`jaxops.backends.registry.pallas_backend`, MOSAIC_MIN_VOCAB).
 
     python -m benchmarks.tools.backend_choice [--out FILE.json] [--quick]
 

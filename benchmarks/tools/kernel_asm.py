@@ -7,7 +7,7 @@ changes no kernel. Runs on CPU (lowering for CUDA needs no GPU).
 
 Each kernel's module is taken out of the lowered program's `mosaic_gpu` custom call and
 printed without locations (source lines would differ after any move of code). Covered:
-the direct route's kernels (`jaxops/mosaic_direct.py`), which are `pallas_mosaic`'s
+the direct route's kernels (`jaxops/backends/mosaic/direct.py`), which are `pallas_mosaic`'s
 forward and backward kernels plus their prologue/epilogue, at fp32/bf16, with and without
 a mask and entropy, V_loc from 1024 to 151,936. Used once so far: the `_mask_reader`
 refactor left all 10 modules identical under jax 0.10.2 and 0.11.2, and changing one
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax._src.lib.mlir import ir
 from jax.experimental.mosaic import gpu as mgpu
 
-from jaxops import mosaic_direct as md
+from jaxops.backends.mosaic import direct as md
 
 # (T, V_loc, dtype, masked, with_entropy)
 CONFIGS = [(128, 1024, jnp.float32, False, True), (128, 18992, jnp.bfloat16, True, True),

@@ -2,7 +2,7 @@
 
     python -m benchmarks.tools.mosaic_tune [--out FILE.json] [--quick] [--api | --small]
 
-Times `pallas_mosaic.forward_stats` and `backward_logits` jitted on their own, with the
+Times `mosaic_kernels.forward_stats` and `backward_logits` jitted on their own, with the
 keep mask handed over as uint8 (so no bool -> uint8 pass: the kernel's own cost), for
 `MosaicConfig` variants: masked bf16/fp32 at T = 8192, V = 151,936 over pipeline depth
 and tile width (shared memory per CTA decides how many CTAs share an SM), and unmasked
@@ -28,9 +28,10 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks import harness
-from jaxops import pallas_mosaic, xla
+from jaxops.backends import xla
+from jaxops.backends.mosaic import kernels as mosaic_kernels
+from jaxops.backends.mosaic.config import MosaicConfig
 from jaxops.contract import BackwardCoefs
-from jaxops.pallas_config import MosaicConfig
 
 V = 151936
 
@@ -55,7 +56,7 @@ def _copy_bandwidth():
 def run_case(num_tokens, dtype, masked, config, bandwidth, num_vocab=None):
     num_vocab = num_vocab or V
     sets = [_inputs(num_tokens, dtype, masked, s, num_vocab) for s in (0, 1)]
-    fwd = jax.jit(lambda x, y, m: pallas_mosaic.forward_stats(
+    fwd = jax.jit(lambda x, y, m: mosaic_kernels.forward_stats(
         x, y, m, inv_tau=1.0, with_entropy=True, config=config))
     stats = fwd(*sets[0])
     want = xla.forward_stats(sets[0][0], sets[0][1],
@@ -70,7 +71,7 @@ def run_case(num_tokens, dtype, masked, config, bandwidth, num_vocab=None):
             - lse(want.masked_sum_exp, want.masked_max)))))
     coef = lambda c: jnp.full((num_tokens,), c, jnp.float32)  # noqa: E731
     coefs = BackwardCoefs(coef(-0.5), coef(0.1), coef(1.0), coef(0.7) if masked else None)
-    bwd = jax.jit(lambda x, y, m, mx, mm: pallas_mosaic.backward_logits(
+    bwd = jax.jit(lambda x, y, m, mx, mm: mosaic_kernels.backward_logits(
         x, y, m, mx, mm, coefs, inv_tau=1.0, config=config))
     bsets = [(x, y, m, stats.max_logit, stats.masked_max) for x, y, m in sets]
     t_f = harness.time_calls(fwd, sets, reps=5, calls=20, sync=jax.block_until_ready).seconds

@@ -26,9 +26,8 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
-# Whether the Mosaic kernels take bool masks through `bytes_view` (`pallas_mosaic.
-# _mask_bytes`) and "pallas" routes bool masks to them (`implementations.
-# pallas_backend`). Checked on the GPU (tests/test_mask_view.py, `gpu` marker); False
+# Whether the Mosaic kernels take bool masks through `bytes_view` (`common.mask_bytes`)
+# and "pallas" routes bool masks to them (`registry.pallas_backend`). Checked on the GPU (tests/test_mask_view.py, `gpu` marker); False
 # gives the XLA conversion to uint8 before each kernel (a pass over the mask). Read when
 # a kernel call is traced: set it before a jitted function's first call (jit keeps the
 # trace it made).

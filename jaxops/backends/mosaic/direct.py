@@ -7,19 +7,19 @@ cost more host time per call than the whole torch-only floor). A launcher accept
 only a function made of one Mosaic GPU kernel, so everything the JAX route does
 around `pallas_mosaic`'s kernels in XLA happens inside kernels here:
 
-    forward   partials  = `pallas_mosaic._forward_kernel(with_target=True)`:
+    forward   partials  = `mosaic.forward.statistics_kernel(with_target=True)`:
                           per vocabulary chunk: max, sum[, shifted][, kept max, kept
                           sum], the target's raw logit[, its mask bit]      [C, padded]
                           (or, `gathered_target`, without the target's: the caller
                           gathers them and hands them to finish)
               finish    = one CTA per 64 rows: fold the chunks in index order (as
-                          `pallas_mosaic._combine`), then the combine of one shard
+                          `mosaic.forward.combine_partials`), then the combine of one shard
                           (`combine.combine` at R = 1): log_prob, entropy, and the
                           backward's per-row multipliers ("saved")           [padded]
               or, where V_loc is one chunk (`one_pass`), `forward_kernel`: the
                           partials kernel going on with finish's math in the same
                           CTA -- one launch instead of two
-    backward  gradient  = `pallas_mosaic._backward_kernel` whose prologue forms the
+    backward  gradient  = `mosaic.backward.gradient_kernel` whose prologue forms the
                           coefficients from the saved multipliers and the incoming
                           d log_prob / d entropy, and stores d logits through a
                           buffer passed in as an *input* (torch's gradient: the
@@ -50,18 +50,23 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-
-from jaxops import pallas_mosaic as pm
+from jaxops.backends.mosaic.backward import gradient_kernel
+from jaxops.backends.mosaic import common as mosaic_common
+from jaxops.backends.mosaic.common import (EXCLUDED, LN2, ROWS, copy_targets,
+                                           interpret_params, mosaic_compiler_params,
+                                           neg_reference, read_targets, read_tile,
+                                           row_vector, rows_layout, target_smem,
+                                           tile_transforms, vocab_chunks, write_tile)
+from jaxops.backends.mosaic.config import MosaicConfig, mosaic_defaults, mosaic_supported
+from jaxops.backends.mosaic.forward import (combine_partials, num_partials,
+                                            statistics_kernel)
 from jaxops.contract import NEG
-from jaxops.pallas_config import MosaicConfig, mosaic_defaults, mosaic_supported
-
-_ROWS = pm._ROWS
 
 
 def supported(num_vocab: int, itemsize: int, masked: bool) -> bool:
-    """Shapes the kernels take (`pallas_config.mosaic_supported`), on a JAX that lowers
-    their stores into the caller's buffers (`pallas_mosaic.STORES_INTO_INPUTS`)."""
-    return pm.STORES_INTO_INPUTS and mosaic_supported(num_vocab, itemsize, masked)
+    """Shapes the kernels take (`mosaic.config.mosaic_supported`), on a JAX that lowers
+    their stores into the caller's buffers (`mosaic_common.STORES_INTO_INPUTS`)."""
+    return mosaic_common.STORES_INTO_INPUTS and mosaic_supported(num_vocab, itemsize, masked)
 
 
 def saved_names(with_entropy: bool, masked: bool) -> tuple[str, ...]:
@@ -75,7 +80,7 @@ def saved_names(with_entropy: bool, masked: bool) -> tuple[str, ...]:
 
 def padded_rows(num_tokens: int) -> int:
     """Rows of every O(T) buffer the kernels read or write: whole 64-row blocks."""
-    return pl.cdiv(num_tokens, _ROWS) * _ROWS
+    return pl.cdiv(num_tokens, ROWS) * ROWS
 
 
 def layout(num_tokens: int, num_vocab: int, dtype, *, masked: bool, with_entropy: bool,
@@ -84,9 +89,9 @@ def layout(num_tokens: int, num_vocab: int, dtype, *, masked: bool, with_entropy
     padded rows, partials (each [chunks, padded]) and finish outputs (each [padded])."""
     itemsize = jnp.dtype(dtype).itemsize
     config, _ = _configs(itemsize, masked, config)
-    _, chunks, _ = pm._chunking(num_vocab, config.block_v, config.chunk_v)
+    _, chunks, _ = vocab_chunks(num_vocab, config.block_v, config.chunk_v)
     return dict(chunks=chunks, padded=padded_rows(num_tokens),
-                num_partials=pm.num_partials(with_entropy, masked,
+                num_partials=num_partials(with_entropy, masked,
                                              with_target=not gathered_target),
                 num_finish=1 + with_entropy + len(saved_names(with_entropy, masked)))
 
@@ -98,7 +103,7 @@ def _configs(itemsize, masked, config):
 
 
 def _interpret(config):
-    return pm._interpret_params() if config.interpret else False
+    return interpret_params() if config.interpret else False
 
 
 # --- forward: partial statistics per chunk ----------------------------------------------
@@ -107,8 +112,8 @@ def partials_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_t
                     gathered_target: bool = False, wide_targets: bool = False,
                     config: MosaicConfig | None = None):
     """fn(logits [b, V], (mask uint8 [b, V]), (targets int32 [b])) -> partials, each
-    float32 [C, padded] (`pallas_mosaic.num_partials` of them). `wide_targets`: the
-    targets are int64 ids as their int32 words, [2b] (`pallas_mosaic.read_targets`).
+    float32 [C, padded] (`mosaic.forward.num_partials` of them). `wide_targets`: the
+    targets are int64 ids as their int32 words, [2b] (`mosaic.common.read_targets`).
 
     gathered_target: the caller gathers the target's logit (and mask bit) itself and
     hands them to `finish`; then this kernel takes no targets and does no per-element
@@ -120,18 +125,18 @@ def partials_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_t
     chunks, padded, num_out = sizes["chunks"], sizes["padded"], sizes["num_partials"]
     config, _ = _configs(itemsize, masked, config)
     return plgpu.kernel(
-        functools.partial(pm._forward_kernel, num_vocab=num_vocab, inv_tau=float(inv_tau),
+        functools.partial(statistics_kernel, num_vocab=num_vocab, inv_tau=float(inv_tau),
                           with_entropy=with_entropy, masked=masked, config=config,
                           itemsize=itemsize, with_target=with_target,
                           wide_targets=wide_targets),
         out_type=[jax.ShapeDtypeStruct((chunks, padded), jnp.float32)] * num_out,
-        scratch_types=([plgpu.SMEM((_ROWS,), jnp.float32)] * num_out
-                       + ([pm.target_smem(wide_targets),
+        scratch_types=([plgpu.SMEM((ROWS,), jnp.float32)] * num_out
+                       + ([target_smem(wide_targets),
                            plgpu.Barrier(num_arrivals=1, num_barriers=1)] if with_target
                           else [])),
-        grid=(padded // _ROWS, chunks),
+        grid=(padded // ROWS, chunks),
         grid_names=("rows", "chunks"),
-        compiler_params=pm._compiler_params(config),
+        compiler_params=mosaic_compiler_params(config),
         interpret=_interpret(config),
     )
 
@@ -139,11 +144,11 @@ def partials_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_t
 # --- forward in one kernel: a vocabulary of one chunk ----------------------------------
 
 def one_pass(num_vocab: int, dtype, masked: bool, config: MosaicConfig | None = None) -> bool:
-    """Whether V_loc is one vocabulary chunk (`pallas_mosaic._chunking`: up to 2048-3072
+    """Whether V_loc is one vocabulary chunk (`mosaic.common.vocab_chunks`: up to 2048-3072
     columns at the default chunk_v, 4096-6144 with a mask), so that `forward_kernel` does the partials' and
     finish's work in one launch."""
     config, _ = _configs(jnp.dtype(dtype).itemsize, masked, config)
-    return pm._chunking(num_vocab, config.block_v, config.chunk_v)[1] == 1
+    return vocab_chunks(num_vocab, config.block_v, config.chunk_v)[1] == 1
 
 
 def forward_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_tau,
@@ -168,21 +173,21 @@ def forward_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_ta
         log_prob, entropy, saved = _finish_rows(
             [[p] for p in partials], target, chunks=1, num_vocab=num_vocab,
             inv_tau=float(inv_tau), with_entropy=with_entropy, masked=masked,
-            one=pm._row_vector(1.0, jnp.float32, config))
+            one=row_vector(1.0, jnp.float32, config))
         return [log_prob] + ([entropy] if with_entropy else []) + [saved[n] for n in names]
 
     return plgpu.kernel(
-        functools.partial(pm._forward_kernel, num_vocab=num_vocab, inv_tau=float(inv_tau),
+        functools.partial(statistics_kernel, num_vocab=num_vocab, inv_tau=float(inv_tau),
                           with_entropy=with_entropy, masked=masked, config=config,
                           itemsize=itemsize, with_target=True, wide_targets=wide_targets,
                           epilogue=(finish, num_out)),
         out_type=[jax.ShapeDtypeStruct((padded,), jnp.float32)] * num_out,
-        scratch_types=([plgpu.SMEM((_ROWS,), jnp.float32)] * num_out
-                       + [pm.target_smem(wide_targets),
+        scratch_types=([plgpu.SMEM((ROWS,), jnp.float32)] * num_out
+                       + [target_smem(wide_targets),
                           plgpu.Barrier(num_arrivals=1, num_barriers=1)]),
-        grid=(padded // _ROWS, 1),
+        grid=(padded // ROWS, 1),
         grid_names=("rows", "chunks"),
-        compiler_params=pm._compiler_params(config),
+        compiler_params=mosaic_compiler_params(config),
         interpret=_interpret(config),
     )
 
@@ -199,7 +204,7 @@ def _finish_rows(parts, target, *, chunks, num_vocab, inv_tau, with_entropy, mas
     if masked:
         kept_maxes, kept_sums = parts.pop(0), parts.pop(0)
     target_parts = parts.pop(0)
-    row_max, sum_exp, shifted = pm._combine(list(zip(maxes, sums, shifts)), inv_tau)
+    row_max, sum_exp, shifted = combine_partials(list(zip(maxes, sums, shifts)), inv_tau)
     target_raw = functools.reduce(lambda a, b: a + b, target_parts)
 
     empty = row_max <= NEG  # no finite logit in this row
@@ -212,17 +217,17 @@ def _finish_rows(parts, target, *, chunks, num_vocab, inv_tau, with_entropy, mas
     total_sum = weight * sum_exp
     log_sum_exp = jnp.log(total_sum)
     valid_f = jnp.where(valid, one, 0.0)
-    saved = {"neg_ref": pm._neg_reference(jnp.where(empty, 0.0, max_x)), "valid": valid_f}
+    saved = {"neg_ref": neg_reference(jnp.where(empty, 0.0, max_x)), "valid": valid_f}
 
     if masked:
         target_kept = functools.reduce(lambda a, b: a + b, parts.pop(0))
-        kept_max, kept_sum, _ = pm._combine(
+        kept_max, kept_sum, _ = combine_partials(
             [(m, s, None) for m, s in zip(kept_maxes, kept_sums)], inv_tau)
         # The target always counts as kept: fold it in where its mask bit is off.
         target_alone = valid & (target_kept == 0.0)
-        target_ref = jnp.where(target_alone, jnp.maximum(target_raw, pm._EXCLUDED),
-                               pm._EXCLUDED)
-        total_max, kept_total, _ = pm._combine(
+        target_ref = jnp.where(target_alone, jnp.maximum(target_raw, EXCLUDED),
+                               EXCLUDED)
+        total_max, kept_total, _ = combine_partials(
             [(kept_max, kept_sum, None),
              (target_ref, jnp.where(target_alone, one, 0.0), None)], inv_tau)
         none_kept = total_max <= NEG
@@ -230,7 +235,7 @@ def _finish_rows(parts, target, *, chunks, num_vocab, inv_tau, with_entropy, mas
         masked_weight = jnp.where(none_kept, 0.0, one)
         masked_sum = masked_weight * jnp.where(none_kept, 0.0, kept_total)
         normaliser = masked_max + jnp.log(masked_sum)
-        saved["masked_neg_ref"] = pm._neg_reference(jnp.where(none_kept, 0.0, masked_max))
+        saved["masked_neg_ref"] = neg_reference(jnp.where(none_kept, 0.0, masked_max))
         saved["delta"] = masked_weight * (-valid_f / masked_sum)
     else:
         normaliser = max_x + log_sum_exp
@@ -239,7 +244,7 @@ def _finish_rows(parts, target, *, chunks, num_vocab, inv_tau, with_entropy, mas
 
     entropy = None
     if with_entropy:
-        total_shifted = weight * jnp.where(empty, 0.0, shifted * pm._LN2)
+        total_shifted = weight * jnp.where(empty, 0.0, shifted * LN2)
         entropy = log_sum_exp - total_shifted / total_sum
         inv_sum = 1.0 / total_sum
         gamma = -weight * inv_sum
@@ -250,7 +255,7 @@ def _finish_rows(parts, target, *, chunks, num_vocab, inv_tau, with_entropy, mas
 
 def _finish_kernel(*refs, chunks, num_vocab, inv_tau, with_entropy, masked, config,
                    gathered_target, wide_targets):
-    num_parts = pm.num_partials(with_entropy, masked, with_target=not gathered_target)
+    num_parts = num_partials(with_entropy, masked, with_target=not gathered_target)
     num_gathered = gathered_target * (1 + masked)  # target logit[, its mask bit], [b]
     names = saved_names(with_entropy, masked)
     num_out = 1 + with_entropy + len(names)
@@ -264,26 +269,26 @@ def _finish_kernel(*refs, chunks, num_vocab, inv_tau, with_entropy, masked, conf
     gathered_smems = [refs.pop(0) for _ in range(num_gathered)]
     out_smems = [refs.pop(0) for _ in range(num_out)]
     (barrier,) = refs
-    rows = pl.ds(lax.axis_index("rows") * _ROWS, _ROWS)
+    rows = pl.ds(lax.axis_index("rows") * ROWS, ROWS)
     for ref, smem in zip(part_refs, part_smems):
         plgpu.copy_gmem_to_smem(ref.at[:, rows], smem, barrier.at[0])
-    pm.copy_targets(target_ref, rows, target_smem, barrier.at[0], wide_targets)
+    copy_targets(target_ref, rows, target_smem, barrier.at[0], wide_targets)
     for ref, smem in zip(gathered_refs, gathered_smems):
         plgpu.copy_gmem_to_smem(ref.at[rows], smem, barrier.at[0])
     plgpu.barrier_wait(barrier.at[0])
-    layout = pm._rows_layout()
-    parts = [[pm._read(smem.at[c], layout, config) for c in range(chunks)]
+    layout = rows_layout()
+    parts = [[read_tile(smem.at[c], layout, config) for c in range(chunks)]
              for smem in part_smems]
     # The gathered values stand where the partials would hold them: one "chunk" each.
-    parts += [[pm._read(smem, layout, config)] for smem in gathered_smems]
-    target = pm.read_targets(target_smem, wide_targets, config)
+    parts += [[read_tile(smem, layout, config)] for smem in gathered_smems]
+    target = read_targets(target_smem, wide_targets, config)
     log_prob, entropy, saved = _finish_rows(
         parts, target, chunks=chunks, num_vocab=num_vocab, inv_tau=inv_tau,
         with_entropy=with_entropy, masked=masked,
-        one=pm._row_vector(1.0, jnp.float32, config))
+        one=row_vector(1.0, jnp.float32, config))
     values = [log_prob] + ([entropy] if with_entropy else []) + [saved[n] for n in names]
     for smem, value in zip(out_smems, values):
-        pm._write(smem, value, config)
+        write_tile(smem, value, config)
     plgpu.commit_smem()
     for smem, out in zip(out_smems, out_refs):
         plgpu.copy_smem_to_gmem(smem, out.at[rows])
@@ -310,14 +315,14 @@ def finish_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_tau
                           config=config, gathered_target=gathered_target,
                           wide_targets=wide_targets),
         out_type=[vector] * num_out,
-        scratch_types=([plgpu.SMEM((chunks, _ROWS), jnp.float32)] * num_parts
-                       + [pm.target_smem(wide_targets)]
-                       + [plgpu.SMEM((_ROWS,), jnp.float32)] * (num_gathered + num_out)
+        scratch_types=([plgpu.SMEM((chunks, ROWS), jnp.float32)] * num_parts
+                       + [target_smem(wide_targets)]
+                       + [plgpu.SMEM((ROWS,), jnp.float32)] * (num_gathered + num_out)
                        + [plgpu.Barrier(num_arrivals=num_parts + 1 + num_gathered,
                                         num_barriers=1)]),
-        grid=(padded // _ROWS,),
+        grid=(padded // ROWS,),
         grid_names=("rows",),
-        compiler_params=pm._compiler_params(config),
+        compiler_params=mosaic_compiler_params(config),
         interpret=_interpret(config),
     )
 
@@ -327,24 +332,24 @@ def finish_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, inv_tau
 def _coefficient_prologue(refs, rows, *, names, has_d_log_prob, has_d_entropy, entropy,
                           masked, inv_tau, config, into, wide_targets):
     """The backward's per-row vectors from the saved multipliers and d log_prob / d
-    entropy, in `pallas_mosaic._backward_kernel`'s order and units."""
+    entropy, in `mosaic.backward.gradient_kernel`'s order and units."""
     num_in = 1 + len(names) + has_d_log_prob + has_d_entropy
     in_refs, dlogits_ref = refs[:num_in], refs[num_in]
     first = num_in + 1 + into  # into: the unused placeholder output follows
     smems = refs[first:first + num_in]
     grad_smem, barrier = refs[first + num_in:]
-    pm.copy_targets(in_refs[0], rows, smems[0], barrier.at[0], wide_targets)
+    copy_targets(in_refs[0], rows, smems[0], barrier.at[0], wide_targets)
     for ref, smem in zip(in_refs[1:], smems[1:]):
         plgpu.copy_gmem_to_smem(ref.at[rows], smem, barrier.at[0])
     plgpu.barrier_wait(barrier.at[0])
-    layout = pm._rows_layout()
-    target = pm.read_targets(smems[0], wide_targets, config)
-    values = [pm._read(smem, layout, config) for smem in smems[1:]]
+    layout = rows_layout()
+    target = read_targets(smems[0], wide_targets, config)
+    values = [read_tile(smem, layout, config) for smem in smems[1:]]
     saved = {n: values.pop(0) for n in names}
     d_log_prob = values.pop(0) if has_d_log_prob else None
     d_entropy = values.pop(0) if has_d_entropy else None
 
-    zero = pm._row_vector(0.0, jnp.float32, config)
+    zero = row_vector(0.0, jnp.float32, config)
     coef_sum = zero
     if d_log_prob is not None and not masked:
         coef_sum = d_log_prob * saved["alpha"]
@@ -352,7 +357,7 @@ def _coefficient_prologue(refs, rows, *, names, has_d_log_prob, has_d_entropy, e
         coef_sum = coef_sum + d_entropy * saved["beta"]
     vectors = [saved["neg_ref"], coef_sum * inv_tau]
     if entropy:
-        vectors.append(d_entropy * saved["gamma"] * (inv_tau * pm._LN2))
+        vectors.append(d_entropy * saved["gamma"] * (inv_tau * LN2))
     vectors.append(zero if d_log_prob is None else d_log_prob * saved["valid"] * inv_tau)
     if masked:
         vectors += [saved["masked_neg_ref"],
@@ -376,7 +381,7 @@ def backward_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, entro
     has_d_entropy = has_d_entropy and with_entropy and entropy_grad
     entropy = has_d_entropy
     names = saved_names(with_entropy, masked)
-    _, chunks, per_chunk = pm._chunking(num_vocab, config.block_v, config.chunk_v)
+    _, chunks, per_chunk = vocab_chunks(num_vocab, config.block_v, config.chunk_v)
     padded = padded_rows(num_tokens)
     num_vectors = 3 + entropy + 2 * masked
     num_in = 1 + len(names) + has_d_log_prob + has_d_entropy
@@ -387,94 +392,21 @@ def backward_kernel(num_tokens, num_vocab, dtype, *, masked, with_entropy, entro
     # The interpreter cannot clip out-of-bounds TMA stores as the GPU does.
     grad_shape = ((padded, chunks * per_chunk * config.block_v) if config.interpret
                   else (num_tokens, num_vocab))
-    scratch = ([pm.target_smem(wide_targets)]
-               + [plgpu.SMEM((_ROWS,), jnp.float32)] * (num_in - 1)
-               + [plgpu.SMEM((config.num_stages, _ROWS, config.block_v), dtype,
-                             transforms=pm._transforms(num_tokens, num_vocab, itemsize,
+    scratch = ([target_smem(wide_targets)]
+               + [plgpu.SMEM((ROWS,), jnp.float32)] * (num_in - 1)
+               + [plgpu.SMEM((config.num_stages, ROWS, config.block_v), dtype,
+                             transforms=tile_transforms(num_tokens, num_vocab, itemsize,
                                                        config.block_v)),
                   plgpu.Barrier(num_arrivals=num_in, num_barriers=1)])
     return plgpu.kernel(
-        functools.partial(pm._backward_kernel, num_vocab=num_vocab, inv_tau=float(inv_tau),
+        functools.partial(gradient_kernel, num_vocab=num_vocab, inv_tau=float(inv_tau),
                           entropy=entropy, masked=masked, config=config, itemsize=itemsize,
                           num_vectors=num_vectors, prologue=prologue),
         out_type=jax.ShapeDtypeStruct((1,), jnp.int32) if into
         else jax.ShapeDtypeStruct(grad_shape, dtype),
         scratch_types=scratch,
-        grid=(padded // _ROWS, chunks),
+        grid=(padded // ROWS, chunks),
         grid_names=("rows", "chunks"),
-        compiler_params=pm._compiler_params(config),
+        compiler_params=mosaic_compiler_params(config),
         interpret=_interpret(config),
     )
-
-
-# --- the whole op in JAX (interpret-mode tests, and the shapes the launcher sees) --------
-
-def logprob_entropy_rows(logits, targets, keep_mask=None, *, inv_tau=1.0, with_entropy=True,
-                         gathered_target=False, single_kernel=None, wide_targets=False,
-                         config: MosaicConfig | None = None):
-    """(log_prob [T], entropy [T] or None, saved {name: [padded]}) of one shard (R = 1)
-    through the direct route's forward kernels: `forward_kernel` where `single_kernel`
-    (None: where `one_pass` and not `gathered_target`, as the bridge chooses), else the
-    partials and finish kernels. `targets` int32 [T], or with `wide_targets` int64 ids
-    as their little-endian int32 words, [2T]."""
-    num_tokens, num_vocab = logits.shape
-    masked = keep_mask is not None
-    operands = [logits] + ([pm._mask_bytes(keep_mask)] if masked else [])
-    if single_kernel is None:
-        single_kernel = not gathered_target and one_pass(num_vocab, logits.dtype, masked,
-                                                          config)
-    if single_kernel:
-        outs = list(forward_kernel(num_tokens, num_vocab, logits.dtype, masked=masked,
-                                   with_entropy=with_entropy, inv_tau=inv_tau,
-                                   wide_targets=wide_targets, config=config)(*operands,
-                                                                             targets))
-    else:
-        outs = _two_kernel_forward(logits, targets, keep_mask, operands, inv_tau=inv_tau,
-                                   with_entropy=with_entropy, gathered_target=gathered_target,
-                                   wide_targets=wide_targets, config=config)
-    log_prob = outs.pop(0)[:num_tokens]
-    entropy = outs.pop(0)[:num_tokens] if with_entropy else None
-    return log_prob, entropy, dict(zip(saved_names(with_entropy, masked), outs))
-
-
-def _two_kernel_forward(logits, targets, keep_mask, operands, *, inv_tau, with_entropy,
-                        gathered_target, wide_targets, config):
-    num_tokens, num_vocab = logits.shape
-    masked = keep_mask is not None
-    common = dict(masked=masked, with_entropy=with_entropy, inv_tau=inv_tau,
-                  gathered_target=gathered_target, wide_targets=wide_targets, config=config)
-    operands = list(operands)
-    if not gathered_target:
-        operands.append(targets)
-    parts = partials_kernel(num_tokens, num_vocab, logits.dtype, **common)(*operands)
-    gathered = []
-    if gathered_target:  # what the bridge gathers with torch ops
-        ids = targets.reshape(-1, 2)[:, 0] if wide_targets else targets  # any valid id's
-        index = jnp.clip(ids, 0, num_vocab - 1)[:, None]
-        gathered.append(jnp.take_along_axis(logits, index, axis=1)[:, 0].astype(jnp.float32))
-        if masked:
-            bit = jnp.take_along_axis(keep_mask, index, axis=1)[:, 0]
-            gathered.append(bit.astype(jnp.float32))
-    return list(finish_kernel(num_tokens, num_vocab, logits.dtype, **common)(
-        *parts, targets, *gathered))
-
-
-def logits_grad_rows(logits, targets, keep_mask, saved, d_log_prob, d_entropy, *,
-                     inv_tau=1.0, with_entropy=True, entropy_grad=True, wide_targets=False,
-                     config: MosaicConfig | None = None):
-    """d loss / d logits `[T, V]` through the direct route's backward kernel (JAX form);
-    `targets` as for `logprob_entropy_rows`."""
-    num_tokens, num_vocab = logits.shape
-    masked = keep_mask is not None
-    has_d_entropy = d_entropy is not None and with_entropy and entropy_grad
-    fn = backward_kernel(num_tokens, num_vocab, logits.dtype, masked=masked,
-                         with_entropy=with_entropy, entropy_grad=entropy_grad,
-                         has_d_log_prob=d_log_prob is not None, has_d_entropy=has_d_entropy,
-                         inv_tau=inv_tau, wide_targets=wide_targets, config=config,
-                         into=False)
-    operands = ([logits] + ([pm._mask_bytes(keep_mask)] if masked else []) + [targets]
-                + [saved[n] for n in saved_names(with_entropy, masked)]
-                + ([d_log_prob.astype(jnp.float32)] if d_log_prob is not None else [])
-                + ([d_entropy.astype(jnp.float32)] if has_d_entropy else []))
-    grad = fn(*operands)
-    return grad[:num_tokens, :num_vocab]

@@ -1,7 +1,7 @@
 """The "xla" implementation of the shard statistics, in fused `jnp`: the CPU path and the
 fallback where Pallas cannot run.
 
-Same contract as `pallas_gpu.py` (see `contract.py`); XLA fuses each function into
+Same contract as `backends/triton/kernels.py` (see `contract.py`); XLA fuses each function into
 a few reductions over the logits (forward) and one elementwise pass (backward).
 `masked_max` is always the kept maximum here, and the backward always computes
 exp(x - masked_max) on its own.

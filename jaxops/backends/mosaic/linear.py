@@ -8,15 +8,15 @@ not even one chunk: each CTA (64 rows, one warpgroup, one chunk of `chunk_v` voc
 columns) computes a [64, block_n] logits tile with wgmma, accumulating over H in
 block_k steps through a TMA pipeline (hidden tile and weight tile in SMEM, the weight
 tile read transposed; `_logits_tile`), and folds the fp32 accumulator straight into its
-rows' running statistics (`pallas_mosaic.fold_tile`, the update the statistics kernel
+rows' running statistics (`mosaic.forward.fold_tile`, the update the statistics kernel
 applies to a loaded tile). The target's logit is summed in the kernel. Per-chunk
-partials are folded over the chunks as `pallas_mosaic.forward_stats` folds its own
+partials are folded over the chunks as `mosaic.forward.forward_stats` folds its own
 (`row_statistics`). Beyond MAX_ONE_LAUNCH_TOKENS rows: one launch per ROW_GROUP rows.
 
 `backward_logits(hidden, weight_c [C, H], ...)` returns d logits `[T, C]` (bf16/fp16)
 for one chunk of the backward (`linear.chunked_backward`): the same logits tiles, the
 statistics kernels' gradient arithmetic on them in registers
-(`pallas_mosaic.softmax_terms`), stored through SMEM with TMA. It replaces the chunk's
+(`mosaic.backward.softmax_terms`), stored through SMEM with TMA. It replaces the chunk's
 fp32 logits GEMM and the statistics kernel's pass over them.
 
 `linear.linear_logprob_entropy` takes both where `applies` says so (bf16/fp16, T a
@@ -47,10 +47,17 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
-
-from jaxops import pallas_mosaic as pm
-from jaxops.contract import NEG, BackwardCoefs, LocalStats, varying_struct
-from jaxops.pallas_config import MosaicConfig
+from jaxops.backends.mosaic.backward import backward_vectors, padded_targets, softmax_terms
+from jaxops.backends.mosaic.common import (EXCLUDED, LOG2E, chunk_start, copy_targets,
+                                           interpret_params, mask_bytes, mask_reader,
+                                           mosaic_compiler_params, per_col, read_targets,
+                                           read_tile, row_vector, rows_layout, target_smem,
+                                           tile_transforms, to_layout, vocab_chunks,
+                                           write_tile)
+from jaxops.backends.mosaic.config import MosaicConfig
+from jaxops.backends.mosaic.forward import (fold_tile, forward_stats, kept_statistics,
+                                            row_statistics)
+from jaxops.contract import NEG, BackwardCoefs, LocalStats, vary_like, varying_struct
 
 _ROWS = 64  # rows per CTA: the M extent of one warpgroup's wgmma
 # Up to MAX_ONE_LAUNCH_TOKENS rows the forward is one launch; beyond, one launch per
@@ -183,11 +190,11 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
     local_targets `[T]` int32 shard-local ids (outside [0, V_loc): not on this shard),
     keep_mask `[T, V_loc]` bool or uint8 (nonzero = kept; V_loc % 16 == 0) or None. With
     a mask, each logits tile's mask tile comes by TMA while its wgmma loop runs, and the
-    kept statistics are an online max and sum of their own (`pallas_mosaic.fold_tile`
+    kept statistics are an online max and sum of their own (`mosaic.forward.fold_tile`
     on the kept columns: a second exponential per element, but no second pass for rows
     whose kept maximum is far below their maximum, as the statistics kernel needs).
-    A bool mask costs one XLA pass to bytes per launch (`pallas_mosaic._mask_bytes`),
-    none where `_mask_view.ENABLED`.
+    A bool mask costs one XLA pass to bytes per launch (`mosaic.common.mask_bytes`),
+    none where `mask_view.ENABLED`.
     `grid_order` "rows,chunks" exists for the probe's comparison only (see above).
     `row_group` (a multiple of 64): one kernel launch per group of that many rows; None:
     one launch; -1 (default): ROW_GROUP rows per launch where T > MAX_ONE_LAUNCH_TOKENS.
@@ -219,7 +226,7 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
         raise ValueError(f"fused forward: a keep mask needs V_loc % 16 == 0, got {num_vocab}")
     config = MosaicConfig(block_v=block_n, chunk_v=chunk_v, num_stages=num_stages,
                           interpret=interpret)
-    tiles, chunks, per_chunk = pm._chunking(num_vocab, block_n, chunk_v)
+    tiles, chunks, per_chunk = vocab_chunks(num_vocab, block_n, chunk_v)
     row_blocks = pl.cdiv(num_tokens, _ROWS)
     padded = row_blocks * _ROWS
     tile_fn = functools.partial(_logits_tile, hidden_size=hidden_size, block_n=block_n,
@@ -235,7 +242,7 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
     grid_names = tuple(grid_order.split(","))
     if sorted(grid_names) != ["chunks", "rows"]:
         raise ValueError(f"grid_order must name rows and chunks, got {grid_order!r}")
-    mask_transforms, read_mask = pm._mask_reader(num_tokens, num_vocab, block_n, masked,
+    mask_transforms, read_mask = mask_reader(num_tokens, num_vocab, block_n, masked,
                                                  config)
 
     def kernel(h_ref, w_ref, t_ref, *refs):
@@ -245,28 +252,28 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
         target_smem, barrier, *mask_scratch = refs[2 * num_out:]
         row_block = lax.axis_index("rows")
         chunk = lax.axis_index("chunks")
-        first_tile, first_owned = pm._chunk_start(chunk, tiles, per_chunk)
-        pm.copy_targets(t_ref, pl.ds(row_block * _ROWS, _ROWS), target_smem, barrier.at[0],
+        first_tile, first_owned = chunk_start(chunk, tiles, per_chunk)
+        copy_targets(t_ref, pl.ds(row_block * _ROWS, _ROWS), target_smem, barrier.at[0],
                         False)
         plgpu.barrier_wait(barrier.at[0])
-        target = pm.read_targets(target_smem, False, config)
+        target = read_targets(target_smem, False, config)
         shape = (_ROWS, block_n)
 
         def stats_update(j, acc, stats, keep):
             row_max, sum_exp, shifted, kept_max, kept_sum, target_sum = stats
-            cols = (first_tile + j) * block_n + pm._layout(
+            cols = (first_tile + j) * block_n + to_layout(
                 lax.broadcasted_iota(jnp.int32, shape, 1), plgpu.Layout.WGMMA, config)
             # Tiles shared with the previous chunk and columns past V_loc (zero-filled
             # by TMA on the GPU, NaN in the interpreter) are left out.
             in_vocab = (cols >= first_owned * block_n) & (cols < num_vocab)
-            raw = jnp.where(in_vocab, acc, pm._EXCLUDED)
-            row_max, sum_exp, shifted, _, _ = pm.fold_tile(raw, row_max, sum_exp, shifted,
+            raw = jnp.where(in_vocab, acc, EXCLUDED)
+            row_max, sum_exp, shifted, _, _ = fold_tile(raw, row_max, sum_exp, shifted,
                                                            inv_tau=inv_tau)
             if keep is not None:
-                kept_max, kept_sum, _, _, _ = pm.fold_tile(
-                    jnp.where(keep, raw, pm._EXCLUDED), kept_max, kept_sum, None,
+                kept_max, kept_sum, _, _, _ = fold_tile(
+                    jnp.where(keep, raw, EXCLUDED), kept_max, kept_sum, None,
                     inv_tau=inv_tau)
-            hit = (cols == pm._per_col(target, shape)) & in_vocab
+            hit = (cols == per_col(target, shape)) & in_vocab
             target_sum = target_sum + jnp.where(hit, acc, 0.0).sum(axis=1)
             return row_max, sum_exp, shifted, kept_max, kept_sum, target_sum
 
@@ -278,15 +285,15 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
             keep = _mask_tile(mask_scratch, read_mask) if masked else None
             return stats_update(j, acc, stats, keep)
 
-        neg = pm._row_vector(NEG, jnp.float32, config)
-        zero = pm._row_vector(0.0, jnp.float32, config)
+        neg = row_vector(NEG, jnp.float32, config)
+        zero = row_vector(0.0, jnp.float32, config)
         stats = (neg, zero, zero, neg if masked else None,
                  zero if masked else None, zero)
         stats = lax.fori_loop(0, per_chunk, column_tile, stats)
         results = [s for s in stats if s is not None]
         rows = pl.ds(row_block * _ROWS, _ROWS)
         for smem, value in zip(smem_refs, results):
-            pm._write(smem, value, config)
+            write_tile(smem, value, config)
         plgpu.commit_smem()
         for smem, out in zip(smem_refs, out_refs):
             plgpu.copy_smem_to_gmem(smem, out.at[chunk, rows])
@@ -298,28 +305,28 @@ def forward_stats(hidden, weight, local_targets, keep_mask=None, *, inv_tau: flo
     call = plgpu.kernel(
         kernel, out_type=[part] * num_out,
         scratch_types=[plgpu.SMEM((_ROWS,), jnp.float32)] * num_out
-        + [pm.target_smem(False), plgpu.Barrier(num_arrivals=1, num_barriers=1)]
+        + [target_smem(False), plgpu.Barrier(num_arrivals=1, num_barriers=1)]
         + mask_scratch,
         grid=tuple(dict(rows=row_blocks, chunks=chunks)[n] for n in grid_names),
         grid_names=grid_names,
-        compiler_params=pm._compiler_params(config),
-        interpret=pm._interpret_params() if interpret else False)
+        compiler_params=mosaic_compiler_params(config),
+        interpret=interpret_params() if interpret else False)
     on_shard = (local_targets >= 0) & (local_targets < num_vocab)
-    targets = pm.padded_targets(local_targets, num_vocab, padded)
-    outs = [o[:, :num_tokens]
+    targets = padded_targets(local_targets, num_vocab, padded)
+    outs = [vary_like(o[:, :num_tokens], *operands)
             for o in call(hidden, weight, targets,
-                          *([pm._mask_bytes(keep_mask, in_place=not interpret)] if masked
+                          *([mask_bytes(keep_mask, in_place=not interpret)] if masked
                             else []))]
     row_max, sum_exp = outs.pop(0), outs.pop(0)
     shifted = outs.pop(0)
     # One chunk at most holds a row's target (the others add 0): the sum is exact.
     target_raw = outs.pop().sum(axis=0)
-    max_logit, sum_exp, sum_exp_shifted = pm.row_statistics(row_max, sum_exp, shifted,
+    max_logit, sum_exp, sum_exp_shifted = row_statistics(row_max, sum_exp, shifted,
                                                             inv_tau)
     masked_max = masked_sum_exp = None
     if masked:
         safe_target = jnp.where(on_shard, local_targets, 0).astype(jnp.int32)
-        masked_max, masked_sum_exp = pm.kept_statistics(
+        masked_max, masked_sum_exp = kept_statistics(
             *outs, target_raw, keep_mask, safe_target, on_shard, inv_tau)
     return LocalStats(max_logit, sum_exp, sum_exp_shifted if with_entropy else None,
                       jnp.where(on_shard, target_raw * inv_tau, 0.0), masked_max,
@@ -334,7 +341,7 @@ def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoe
     """d loss / d logits `[T, V_loc]` of logits = hidden @ weight.T, with the logits
     recomputed in the kernel: each CTA computes a [64, block_n] fp32 logits tile with
     wgmma (as `forward_stats`), forms its gradient in registers
-    (`pallas_mosaic.softmax_terms`, the statistics kernels' backward arithmetic) and
+    (`mosaic.backward.softmax_terms`, the statistics kernels' backward arithmetic) and
     stores it rounded to `out_dtype` (default: hidden's dtype) through SMEM with TMA. No
     fp32 logits in HBM. The linear backward calls it per vocabulary chunk
     (`linear.chunked_backward`).
@@ -348,7 +355,7 @@ def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoe
     _check_operands(hidden, weight, block_k, "backward")
     masked = keep_mask is not None
     if masked != (coefs.coef_masked is not None) or masked != (masked_max is not None):
-        raise ValueError("linear_mosaic.backward_logits: keep_mask, masked_max and "
+        raise ValueError("mosaic.linear.backward_logits: keep_mask, masked_max and "
                          "coefs.coef_masked go together")
     if masked and weight.shape[0] % 16:
         raise ValueError(f"fused backward: a keep mask needs V_loc % 16 == 0, got "
@@ -358,33 +365,33 @@ def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoe
     out_dtype = jnp.dtype(out_dtype or hidden.dtype)
     config = MosaicConfig(block_v=block_n, chunk_v=chunk_v, num_stages=num_stages,
                           interpret=interpret)
-    tiles, chunks, per_chunk = pm._chunking(num_vocab, block_n, chunk_v)
+    tiles, chunks, per_chunk = vocab_chunks(num_vocab, block_n, chunk_v)
     row_blocks = pl.cdiv(num_tokens, _ROWS)
     padded = row_blocks * _ROWS
     inv_tau = float(inv_tau)
-    scale = inv_tau * pm._LOG2E
+    scale = inv_tau * LOG2E
     entropy = coefs.coef_shifted is not None
-    vectors = pm.backward_vectors(max_logit, masked_max, coefs, inv_tau, padded)
+    vectors = backward_vectors(max_logit, masked_max, coefs, inv_tau, padded)
     num_vectors = vectors.shape[0]
     tile_fn = functools.partial(_logits_tile, hidden_size=hidden_size, block_n=block_n,
                                 block_k=block_k, num_stages=num_stages, interpret=interpret)
     shape = (_ROWS, block_n)
-    mask_transforms, read_mask = pm._mask_reader(num_tokens, num_vocab, block_n, masked,
+    mask_transforms, read_mask = mask_reader(num_tokens, num_vocab, block_n, masked,
                                                  config)
-    grad_transforms = pm._transforms(num_tokens, num_vocab, out_dtype.itemsize, block_n)
+    grad_transforms = tile_transforms(num_tokens, num_vocab, out_dtype.itemsize, block_n)
 
     def kernel(h_ref, w_ref, t_ref, vectors_ref, *refs):
         refs = list(refs)
         m_ref = refs.pop(0) if masked else None
         out_ref, target_smem, vectors_smem, grad_smem, barrier, *mask_scratch = refs
         row_block = lax.axis_index("rows")
-        first_tile, _ = pm._chunk_start(lax.axis_index("chunks"), tiles, per_chunk)
+        first_tile, _ = chunk_start(lax.axis_index("chunks"), tiles, per_chunk)
         rows = pl.ds(row_block * _ROWS, _ROWS)
-        pm.copy_targets(t_ref, rows, target_smem, barrier.at[0], False)
+        copy_targets(t_ref, rows, target_smem, barrier.at[0], False)
         plgpu.copy_gmem_to_smem(vectors_ref.at[:, rows], vectors_smem, barrier.at[0])
         plgpu.barrier_wait(barrier.at[0])
-        target = pm.read_targets(target_smem, False, config)
-        neg_ref, coef_sum, *rest = [pm._read(vectors_smem.at[i], pm._rows_layout(), config)
+        target = read_targets(target_smem, False, config)
+        neg_ref, coef_sum, *rest = [read_tile(vectors_smem.at[i], rows_layout(), config)
                                     for i in range(num_vectors)]
         coef_shifted = rest.pop(0) if entropy else None
         coef_target = rest.pop(0)
@@ -396,23 +403,23 @@ def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoe
             if masked:
                 _start_mask_tile(m_ref, mask_scratch, row_block, tile, block_n)
             raw = tile_fn(h_ref, w_ref, row_block, tile)
-            cols = tile * block_n + pm._layout(
+            cols = tile * block_n + to_layout(
                 lax.broadcasted_iota(jnp.int32, shape, 1), plgpu.Layout.WGMMA, config)
-            exp_d, coef = pm.softmax_terms(raw, neg_ref, coef_sum, coef_shifted, scale=scale)
+            exp_d, coef = softmax_terms(raw, neg_ref, coef_sum, coef_shifted, scale=scale)
             grad = exp_d * coef
-            onehot = cols == pm._per_col(target, shape)
-            grad = grad + jnp.where(onehot, pm._per_col(coef_target, shape), 0.0)
+            onehot = cols == per_col(target, shape)
+            grad = grad + jnp.where(onehot, per_col(coef_target, shape), 0.0)
             if masked:
                 # the target always counts as kept
                 kept = _mask_tile(mask_scratch, read_mask) | onehot
-                kept_exp = jnp.exp2(raw * scale + pm._per_col(masked_neg_ref, shape))
-                grad = grad + jnp.where(kept, kept_exp * pm._per_col(coef_masked, shape),
+                kept_exp = jnp.exp2(raw * scale + per_col(masked_neg_ref, shape))
+                grad = grad + jnp.where(kept, kept_exp * per_col(coef_masked, shape),
                                         0.0)
             # One SMEM slot: the previous tile's TMA store has had this tile's whole
             # wgmma loop to read it. Columns past V_loc (and rows past T) are clipped
             # by the store on the GPU; the interpreter gets a padded output instead.
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-            pm._write(grad_smem, grad.astype(out_dtype), config,
+            write_tile(grad_smem, grad.astype(out_dtype), config,
                       tiled=bool(grad_transforms))
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(grad_smem, out_ref.at[rows, pl.ds(tile * block_n,
@@ -422,19 +429,20 @@ def backward_logits(hidden, weight, local_targets, max_logit, coefs: BackwardCoe
         lax.fori_loop(0, per_chunk, column_tile, 0)
         plgpu.wait_smem_to_gmem(0)
 
-    targets = pm.padded_targets(local_targets, num_vocab, padded)
+    targets = padded_targets(local_targets, num_vocab, padded)
     out_shape = (padded, tiles * block_n) if interpret else (num_tokens, num_vocab)
     operands = (hidden, weight, targets, vectors) + (
-        (pm._mask_bytes(keep_mask, in_place=not interpret),) if masked else ())
+        (mask_bytes(keep_mask, in_place=not interpret),) if masked else ())
     mask_scratch = _mask_scratch(block_n, mask_transforms) if masked else []
     call = plgpu.kernel(
         kernel, out_type=varying_struct(out_shape, out_dtype, *operands, max_logit,
                                         *[c for c in coefs if c is not None]),
-        scratch_types=[pm.target_smem(False), plgpu.SMEM((num_vectors, _ROWS), jnp.float32),
+        scratch_types=[target_smem(False), plgpu.SMEM((num_vectors, _ROWS), jnp.float32),
                        plgpu.SMEM(shape, out_dtype, transforms=grad_transforms),
                        plgpu.Barrier(num_arrivals=2, num_barriers=1)] + mask_scratch,
         grid=(chunks, row_blocks), grid_names=("chunks", "rows"),
-        compiler_params=pm._compiler_params(config),
-        interpret=pm._interpret_params() if interpret else False)
-    d_logits = call(*operands)
+        compiler_params=mosaic_compiler_params(config),
+        interpret=interpret_params() if interpret else False)
+    d_logits = vary_like(call(*operands), *operands, max_logit,
+                         *[c for c in coefs if c is not None])
     return d_logits[:num_tokens, :num_vocab] if interpret else d_logits

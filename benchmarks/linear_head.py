@@ -24,6 +24,11 @@ entropy. Rows (--impls takes these keys):
   liger            Liger-Kernel's fused linear cross-entropy (reduction="none"): CE ONLY
                    (-log_prob, no entropy), one row per shape, next to the no-entropy rows.
   verl             verl's linear_cross_entropy (log-prob + entropy), if importable.
+  liger-cute       Liger-Kernel's CuTe DSL Hopper kernel (LigerFusedScaledCrossEntropySM90
+                   Function: per-token NLL, entropy on request, temperature): sm_90 and
+                   bf16 only, needs the wheels liger-kernel, nvidia-cutlass-dsl(-libs-base),
+                   apache-tvm-ffi; its host-syncing target check is switched off
+                   (LIGER_SCALED_CE_SM90_VALIDATE_TARGETS=0), as ours never checks.
 
 "x floor" divides by the faster of gemm-jax / gemm-torch at the same shape and phase, so
 below 1.0 means fewer GEMMs than the fused op (the unfused paths do not recompute).
@@ -81,12 +86,13 @@ IMPLS = {
                       True),
     "liger": ("Liger fused linear CE (CE only: -log_prob, no entropy)", "torch", False),
     "verl": ("verl linear_cross_entropy", "torch", False),
+    "liger-cute": ("Liger CuTe fused scaled CE (sm_90, bf16)", "torch", True),
     "gemm-jax": ("GEMM floor: JAX/XLA dot", "jax", False),
     "jaxops-fused": ("jaxops.linear_logprob_entropy", "jax", True),
     "jax-unfused": ("unfused: jnp.dot + jaxops.logprob_entropy", "jax", True),
 }
 TABLE_ORDER = ("gemm-jax", "gemm-torch", "jaxops-fused", "bridge-fused", "jax-unfused",
-               "torch-bridge", "torch-compile", "liger", "verl")
+               "torch-bridge", "torch-compile", "liger", "liger-cute", "verl")
 GEMM_ROWS = ("gemm-jax", "gemm-torch")
 # The entropy flag a one-per-shape row is listed under: Liger computes -log_prob only;
 # verl always computes entropy; the GEMMs have none (None).
@@ -159,6 +165,18 @@ def nbytes(out):
         return out.numel() * out.element_size()
     return int(out.nbytes)
 
+
+
+def liger_cute_function():
+    """Liger-Kernel's CuTe DSL Hopper fused linear cross-entropy (an autograd Function:
+    apply(hidden [T, H], weight [V, H], target [T] int64, temperature, ignore_index,
+    m_tiles_per_cluster, return_entropy) -> nll [T] (, entropy [T]))."""
+    import os
+
+    os.environ.setdefault("LIGER_SCALED_CE_SM90_VALIDATE_TARGETS", "0")
+    from liger_kernel.ops.cutedsl.ops.fused_scaled_cross_entropy_sm90 import (
+        LigerFusedScaledCrossEntropySM90Function)
+    return LigerFusedScaledCrossEntropySM90Function
 
 
 def verl_linear_cross_entropy():
@@ -297,6 +315,16 @@ class Run:
                 return f"skipped: liger_kernel not importable ({harness.short_error(exc, 120)})"
             if not self.on_gpu:
                 return "skipped: Liger's kernels are Triton, CUDA only"
+        if impl == "liger-cute":
+            try:
+                liger_cute_function()
+            except Exception as exc:
+                return ("skipped: Liger's CuTe kernel not importable "
+                        f"({harness.short_error(exc, 120)})")
+            if not self.on_gpu or self.torch.cuda.get_device_capability() != (9, 0):
+                return "skipped: Liger's CuTe kernel runs on sm_90 (Hopper) GPUs only"
+            if self.args.dtype != "bfloat16":
+                return "skipped: Liger's CuTe kernel takes bf16 only"
         if impl == "verl":
             try:
                 verl_linear_cross_entropy()
@@ -360,6 +388,14 @@ class Run:
         if impl == "verl":
             linear_cross_entropy = verl_linear_cross_entropy()
             return from_op(lambda h, w, y: tuple(linear_cross_entropy(h, w, y, 1.0, "none")))
+        if impl == "liger-cute":
+            function = liger_cute_function()
+
+            def op(h, w, y):
+                out = function.apply(h, w, y.long(), 1.0, -100, 1, entropy)
+                nll, ent = out if entropy else (out, None)
+                return -nll, ent
+            return from_op(op)
         if impl == "liger":
             loss_fn = self.liger()
 

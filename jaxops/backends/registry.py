@@ -125,13 +125,13 @@ def pallas_backend(num_vocab: int, itemsize: int, mask_dtype, capability,
     from jaxops.backends.mosaic import mask_view  # here: `import jaxops` stays without jax.extend
 
     if capability is None or tuple(capability) < (9, 0) or not mosaic_usable:
-        return "pallas_triton"
+        return TRITON
     in_place = (np.uint8, np.int8) + ((np.bool_,) if mask_view.ENABLED else ())
     if mask_dtype is not None and np.dtype(mask_dtype) not in in_place:
-        return "pallas_triton"
+        return TRITON
     if not mosaic_supported(num_vocab, itemsize, mask_dtype is not None):
-        return "pallas_triton"
-    return "pallas_mosaic" if num_vocab >= min_mosaic_vocab else "pallas_triton"
+        return TRITON
+    return MOSAIC if num_vocab >= min_mosaic_vocab else TRITON
 
 
 # --- the fused LM head (`jaxops.linear`, `bridge.linear`) -------------------------------
@@ -142,10 +142,10 @@ def fused_forward_wanted(impl: str, config, pallas_config=None) -> bool:
     on a Hopper+ GPU, and "pallas_mosaic" (also in interpret mode off-GPU). A
     `pallas_config` that is a `PallasConfig` (the Triton kernels' parameters) keeps
     the chunked forward."""
-    if impl == "pallas":
+    if impl == PALLAS:
         return (not config.interpret and not isinstance(pallas_config, PallasConfig)
                 and mosaic_available())
-    return impl == "pallas_mosaic"
+    return impl == MOSAIC
 
 
 def fused_backward_fits(num_tokens, hidden_size, num_vocab, dtype, masked,
@@ -193,19 +193,19 @@ def for_call(name: str, config, pallas_config=None, *, num_vocab: int, itemsize:
     `resolve`: a `MosaicConfig` picks Mosaic, non-default `PallasConfig` parameters
     pick Triton (they tune its kernels). Off-GPU (interpret mode) "pallas" stays the
     Triton kernels."""
-    if name != "pallas":
+    if name != PALLAS:
         return name, config
     if isinstance(pallas_config, MosaicConfig):
-        backend = "pallas_mosaic"
+        backend = MOSAIC
     elif config.interpret or (isinstance(pallas_config, PallasConfig) and pallas_config
                               != PallasConfig(interpret=pallas_config.interpret)):
-        backend = "pallas_triton"
+        backend = TRITON
     else:
         found = _first_gpu_capability()
         backend = pallas_backend(num_vocab, itemsize, mask_dtype,
                                  None if found is None else found[1], _mosaic_usable(),
                                  min_mosaic_vocab)
-    if backend == "pallas_triton":
+    if backend == TRITON:
         return backend, config
     return resolve(backend, platform, pallas_config)
 
@@ -221,7 +221,7 @@ def _platform(platform: str | None) -> str:
 def default(platform: str | None = None) -> str:
     """"pallas" on a GPU, else "xla". `platform`: "gpu"/"cuda" or another JAX platform
     name ("cpu", ...); None: JAX's default backend."""
-    return "pallas" if _platform(platform) in _GPU_PLATFORMS else "xla"
+    return PALLAS if _platform(platform) in _GPU_PLATFORMS else XLA
 
 
 def resolve(implementation: str | None, platform: str | None = None,
@@ -243,7 +243,7 @@ def resolve(implementation: str | None, platform: str | None = None,
     name = implementation or default(platform)
     if not is_pallas(name):
         return name, None
-    if name == "pallas_mosaic":
+    if name == MOSAIC:
         config = (pallas_config if isinstance(pallas_config, MosaicConfig)
                   else MosaicConfig(interpret=getattr(pallas_config, "interpret", False)))
         if platform in _GPU_PLATFORMS and not config.interpret:

@@ -451,7 +451,7 @@ def fused_traces(monkeypatch):
 
 def test_fused_forward_in_interpret_mode(fused_traces):
     """"pallas_mosaic" runs each window's forward as the fused kernel and its backward's
-    d logits with the recomputing one (`linear_mosaic`, Mosaic GPU's interpreter here)
+    d logits with the recomputing one (`mosaic/linear.py`, Mosaic GPU's interpreter here)
     where their shapes allow, as the JAX op does: values and gradients against float64,
     and the kernels traced once per window size (and chunk)."""
     check(*make(16, 64, 200, torch.bfloat16, seed=3), temperature=0.8, chunk_size=64,

@@ -162,7 +162,7 @@ def fused_calls(monkeypatch):
 def test_fused_kernels_interpret_against_float64(lead, hidden_size, num_vocab, dtype,
                                                  temperature, flags, chunk, fused_calls):
     """"pallas_mosaic" runs the forward as one fused kernel and the backward's d logits
-    with the recomputing kernel (`linear_mosaic`, Mosaic GPU's interpreter on CPU, with a
+    with the recomputing kernel (`mosaic/linear.py`, Mosaic GPU's interpreter on CPU, with a
     jnp dot in place of wgmma there) where their shapes allow (T % 8, H % 64, no mask);
     values and both gradients against float64."""
     with warnings.catch_warnings():

@@ -113,8 +113,9 @@ def pallas_backend(num_vocab: int, itemsize: int, mask_dtype, capability,
     or the dtype of the keep mask; `capability`: the GPU's compute capability (major,
     minor), None if unknown. Mosaic wherever it runs: sm_90+, a JAX with its pieces, a
     V_loc its TMA tiles take (`mosaic_supported`: a function of V_loc and dtype) and a
-    mask, if any, of one byte per element (bool, read in place through `_mask_view`, or
-    uint8/int8); at least `min_mosaic_vocab` columns (the fused head's chunks).
+    mask, if any, of one byte per element (bool, read in place through
+    `mosaic/mask_view.py`, or uint8/int8); at least `min_mosaic_vocab` columns (the fused
+    head's chunks).
 
     Never a function of T: the choice is the same for every batch a row can be in, so
     the default is bitwise batch invariant (each backend is on its own). T > 8 not a

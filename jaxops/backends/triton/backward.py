@@ -11,8 +11,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
-from jaxops.backends.triton.common import (LN2, LOG2E, exp2, indexes_safely,
-                                           matrix_spec, neg_reference, row_spec,
+from jaxops.backends.triton.common import (LN2, LOG2E, exp2, indexes_safely, matrix_spec,
+                                           neg_reference, require_safe_indexing, row_spec,
                                            stream_tiles, tile_loader,
                                            triton_compiler_params, widen)
 from jaxops.backends.triton.config import PallasConfig, with_tuned_defaults
@@ -120,6 +120,7 @@ def backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
         if into.shape != logits.shape or into.dtype != logits.dtype:
             raise ValueError(f"into must be {logits.shape} {logits.dtype}, "
                              f"got {into.shape} {into.dtype}")
+    require_safe_indexing(config, logits, keep_mask)
     num_tokens, num_vocab = logits.shape
     masked = keep_mask is not None
     config = with_tuned_defaults(config, num_vocab, masked=masked,

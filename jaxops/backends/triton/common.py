@@ -181,3 +181,14 @@ def indexes_safely(config: PallasConfig, *operands) -> bool:
     offsets (see `offsets.py`; the registry then sends the call to the XLA backend);
     interpret mode indexes in XLA, always safely."""
     return config.interpret or offsets.large_byte_operands_ok(*operands)
+
+
+def require_safe_indexing(config: PallasConfig, *operands) -> None:
+    """Before lowering a kernel: install the lowering's 64-bit offsets where `operands`
+    need them (`offsets.py`). Raises where this JAX cannot be corrected; the registry
+    sends those calls to the XLA backend before they get here (`registry.kernels`)."""
+    if not indexes_safely(config, *operands):
+        raise ValueError(
+            "this JAX's Pallas Triton lowering would index a 2**31+-element bool operand "
+            "with 32-bit offsets; call the kernels through jaxops.backends.registry.kernels, "
+            "which computes such calls with the XLA backend")

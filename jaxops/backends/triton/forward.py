@@ -22,9 +22,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jaxops.backends.triton.common import (EXCLUDED, LN2, LOG2E, matrix_spec,
-                                           neg_reference, online_update, row_spec,
-                                           stream_tiles, tile_loader,
-                                           triton_compiler_params, widen)
+                                           neg_reference, online_update,
+                                           require_safe_indexing, row_spec, stream_tiles,
+                                           tile_loader, triton_compiler_params, widen)
 from jaxops.backends.triton.config import PallasConfig, with_tuned_defaults
 from jaxops.contract import NEG, LocalStats, varying_struct
 
@@ -139,6 +139,7 @@ def _forward_kernel(targets_ref, logits_ref, *refs, num_vocab, inv_tau, with_ent
 
 def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
                   config: PallasConfig = PallasConfig()) -> LocalStats:
+    require_safe_indexing(config, logits, keep_mask)
     num_tokens, num_vocab = logits.shape
     masked = keep_mask is not None
     config = with_tuned_defaults(config, num_vocab, masked=masked,

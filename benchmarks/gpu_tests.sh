@@ -8,6 +8,9 @@
 #     bash benchmarks/gpu_tests.sh c   # the bridge's direct route ~370 s (incl. 4 batch-
 #                                      # invariance tests at T = 8192, ~60 s each), and the
 #                                      # PPO example (50 steps against float64 and Megatron)
+#     bash benchmarks/gpu_tests.sh d   # the default's promise across entry points, and the
+#                                      # fused head's GPU tests
+#     bash benchmarks/gpu_tests.sh b d # several groups, one after the other
 # JOBS=N (optional; needs pytest-xdist, which the device image has): N test processes share
 # the one GPU, with XLA_PYTHON_CLIENT_ALLOCATOR=platform so that each test's memory goes back
 # (with XLA's caching allocator, 8 processes ran test_mosaic.py's T = 8192 tests out of
@@ -47,7 +50,9 @@ example() {  # example SECONDS SCRIPT [args...]
     timeout "$limit" python3 "$script" "$@" > "$log" 2>&1
     echo "== $script rc=$? $(( $(date +%s) - t0 ))s: $(tail -n 1 "$log")"
 }
-case "${1:-}" in
+[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu_tests.sh a|b|c|d [more groups]" >&2; exit 2; }
+for group in "$@"; do
+case "$group" in
     a)
         run 170 tests/test_bridge_cuda.py
         run 290 tests/test_batch_invariance.py -m gpu
@@ -65,8 +70,13 @@ case "${1:-}" in
         run 420 tests/test_bridge_direct.py
         example 120 examples/torch_ppo_loop.py --device cuda
         ;;
+    d)
+        run 300 tests/test_default_batch_invariance.py -m gpu
+        run 240 tests/test_linear_head.py -m gpu
+        ;;
     *)
-        echo "usage: bash benchmarks/gpu_tests.sh a|b|c" >&2
+        echo "usage: bash benchmarks/gpu_tests.sh a|b|c|d [more groups]" >&2
         exit 2
         ;;
 esac
+done

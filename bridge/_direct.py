@@ -22,7 +22,7 @@ direct route was faster on the H200 at every size measured up to T = 16,384 (V_l
 T = 32,768 (docs/performance.md, "The bridge: host cost and the direct route").
 Work on another stream than the default is fenced with stream waits (no host sync).
 
-The launcher (`_Launcher`) is built from the two pieces `plgpu.as_torch_kernel` is
+The launcher (`bridge/_launch.py`) is built from the two pieces `plgpu.as_torch_kernel` is
 made of in jax 0.10-0.11 (the lowered module's Mosaic GPU call, and
 `mosaic.gpu.core._compile_as_torch_gpu_kernel`), without that wrapper's per-call
 argument checks and per-output allocations: on the H200 host those cost ~80 µs per
@@ -42,25 +42,14 @@ torch-only floor at T = 8192, V_loc = 18,992, 2-3x at T = 16.
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import threading
 
 import torch
 
-from bridge import cache as _cache
+from bridge._launch import launcher as _launcher
+from bridge._launch import register_kernel
 from jaxops.backends import registry
 from jaxops.backends.mosaic.config import MosaicConfig
-
-_LAUNCHERS: dict = {}  # (kernel, device index) -> _Launcher
-# kernel -> everything its factory was given: the persistent cache's key (`_cache_key`)
-_KERNEL_KEYS: dict = {}
-_thread = threading.local()
-
-
-def compiled_launchers() -> int:
-    """Kernels compiled for the direct route so far (one per kernel, window size and device)."""
-    return len(_LAUNCHERS)
 
 
 @functools.cache
@@ -90,102 +79,6 @@ def applies(plan, world: int, want_stats: bool) -> bool:
 
     return (mosaic_direct.supported(plan.num_vocab, plan.logits.element_size(),
                                     plan.mask is not None) and ready())
-
-
-class _Launcher:
-    """One kernel compiled for operands of fixed shapes on one device; `launcher(pointers)`
-    launches it on that device's default torch stream with the buffers at these
-    addresses (inputs, then outputs, as the kernel declares them)."""
-
-    def __init__(self, kernel, structs, device):
-        from jax.experimental.mosaic.gpu import core as mgpu_core
-
-        # The lowered module from the persistent cache (`cache.py`) where it has one,
-        # which skips JAX's tracing and lowering (Mosaic's compile to a cubin still runs).
-        # A kernel made elsewhere than below (no `_KERNEL_KEYS` entry) is not cached.
-        config = _KERNEL_KEYS.get(kernel)
-        key = _cache.kernel_key(config, structs, device) if config else None
-        entry = _cache.load_kernel(key) if key else None
-        launch = None
-        if entry is not None:
-            asm, num_results = entry
-            try:
-                launch, self._unload = mgpu_core._compile_as_torch_gpu_kernel(asm)
-            except RuntimeError:  # an entry Mosaic cannot compile here: build it anew
-                launch = None
-        if launch is None:
-            asm, num_results = _lower(kernel, structs)
-            launch, self._unload = mgpu_core._compile_as_torch_gpu_kernel(asm)
-            if key:
-                _cache.store_kernel(key, asm, num_results)
-        self._pointers = ctypes.c_void_p * (len(structs) + num_results)
-        # The wrapper looks up torch's default stream on every launch (~2 µs of host
-        # time, and ~5 µs with its closure); the stream of a device never changes, so
-        # the compiled launch function is called directly where the wrapper's closure
-        # exposes it, else through the wrapper.
-        cells = dict(zip(launch.__code__.co_freevars,
-                         (c.cell_contents for c in launch.__closure__ or ())))
-        stream = torch.cuda.default_stream(device)._as_parameter_
-        launch_c, function = cells.get("launch_c"), cells.get("function")
-        if callable(launch_c) and function is not None:
-            self._call = functools.partial(launch_c, function, stream)
-        else:
-            self._call = lambda arr: launch(arr, device)
-
-    def __call__(self, pointers):
-        self._call(self._pointers(*pointers))
-
-
-def _lower(kernel, structs) -> tuple[bytes, int]:
-    """(the kernel's Mosaic GPU module as `MosaicGpuCompile` takes it, its result count)."""
-    import jax
-    from jax._src.lib.mlir import passmanager
-    from jax._src.pallas.mosaic_gpu import torch as mgpu_torch
-    from jax.experimental.mosaic import gpu as mgpu
-
-    with jax.enable_x64(False):  # the kernels are float32/int32 throughout
-        module = jax.jit(kernel).trace(*structs).lower().compiler_ir()
-    with module.context:
-        # jit outlines the kernel call into a function; inline it back.
-        mgpu.dialect.register_inliner_extensions(module.context)
-        passmanager.PassManager.parse("builtin.module(inline{default-pipeline=})").run(
-            module.operation)
-        call = mgpu_torch._find_mgpu_call_in_module(module)[0]
-    if len(call.operands) != len(structs):
-        raise RuntimeError("the kernel module has operands besides the kernel's own")
-    return call.attributes["mhlo.backend_config"]["module"].value_bytes, len(call.results)
-
-
-def _bind_primary_context(device_index: int) -> None:
-    """Make the device's primary CUDA context current on this thread, once per thread.
-
-    Mosaic's compiler and launcher use the CUDA driver API, which needs a current
-    context; torch's runtime API binds one lazily, so a thread that has only run
-    torch's cached allocations -- torch's autograd device thread, where the backward
-    runs -- may have none ("Failed to compile the module")."""
-    if getattr(_thread, "bound", None) == device_index:
-        return
-    cuda = ctypes.CDLL("libcuda.so.1")
-    ctx = ctypes.c_void_p()
-    if cuda.cuCtxGetCurrent(ctypes.byref(ctx)) != 0 or not ctx.value:
-        dev = ctypes.c_int()
-        if (cuda.cuDeviceGet(ctypes.byref(dev), device_index) != 0
-                or cuda.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev) != 0
-                or cuda.cuCtxSetCurrent(ctx) != 0):
-            raise RuntimeError(f"could not make CUDA device {device_index}'s context current")
-    _thread.bound = device_index
-
-
-def _launcher(kernel, operands, device):
-    """The launcher of `kernel`, compiled on first use for `operands`: (*shape, dtype)
-    tuples (ShapeDtypeStructs are made only then: they cost microseconds each)."""
-    _bind_primary_context(device.index)  # compiling and launching both need it
-    key = (kernel, device.index)  # a compiled module belongs to one device's context
-    launcher = _LAUNCHERS.get(key)
-    if launcher is None:
-        structs = [_struct(op[:-1], op[-1]) for op in operands]
-        launcher = _LAUNCHERS[key] = _Launcher(kernel, structs, device)
-    return launcher
 
 
 def _ids_struct(size: int, wide: bool):
@@ -237,7 +130,7 @@ def _window_forward(*key) -> _WindowForward:
     kernels = _WindowForward(*key)
     for name in ("kernel", "partials", "finish"):
         if hasattr(kernels, name):
-            _KERNEL_KEYS[getattr(kernels, name)] = (name,) + key
+            register_kernel(getattr(kernels, name), (name,) + key)
     return kernels
 
 
@@ -250,8 +143,8 @@ def _backward_kernel(num_tokens, num_vocab, dtype, masked, with_entropy, entropy
                                 with_entropy=with_entropy, entropy_grad=entropy_grad,
                                 has_d_log_prob=has_d_log_prob, has_d_entropy=has_d_entropy,
                                 inv_tau=inv_tau, wide_targets=wide, config=config, into=True)
-    _KERNEL_KEYS[kernel] = ("backward", num_tokens, num_vocab, dtype, masked, with_entropy,
-                            entropy_grad, has_d_log_prob, has_d_entropy, inv_tau, wide, config)
+    register_kernel(kernel, ("backward", num_tokens, num_vocab, dtype, masked, with_entropy,
+                             entropy_grad, has_d_log_prob, has_d_entropy, inv_tau, wide, config))
     return kernel
 
 
@@ -264,12 +157,6 @@ def _backward_operands(size, num_vocab, dtype, masked, wide, num_saved,
     return ([(size, num_vocab, dtype)] + [(size, num_vocab, "uint8")] * masked
             + [_ids_struct(size, wide)] + [(padded, "float32")] * num_saved
             + [(size, "float32")] * num_cotangents + [(size, num_vocab, dtype)])
-
-
-def _struct(shape, dtype):
-    import jax
-
-    return jax.ShapeDtypeStruct(tuple(shape), dtype)
 
 
 class _OnDefaultStream:

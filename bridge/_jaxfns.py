@@ -25,7 +25,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from bridge import _direct
+from bridge import _launch
 from jaxops import staged
 from jaxops.contract import ids_from_words
 
@@ -56,7 +56,7 @@ def cached(make):
 def compiled_programs() -> int:
     """How many programs JAX has compiled for the bridge so far (all configurations),
     the direct route's kernels included."""
-    return sum(fn._cache_size() for fn in _JITTED) + _direct.compiled_launchers()
+    return sum(fn._cache_size() for fn in _JITTED) + _launch.compiled_launchers()
 
 
 def pack_outputs(log_prob, entropy):

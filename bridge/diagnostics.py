@@ -3,6 +3,7 @@
     from bridge import diagnostics
     diagnostics.compiled_programs()       # programs compiled so far, every configuration
     diagnostics.direct_route_ready()      # can the Mosaic kernels be launched from torch here
+    diagnostics.kernel_build_times()      # the direct route's lowering and compile seconds
     diagnostics.row_windows(T)            # the row windows a call of T rows runs
     diagnostics.jax_device(device)        # JAX's device for a torch device (memory_stats)
 
@@ -17,21 +18,31 @@ from __future__ import annotations
 
 import torch
 
-from bridge import _direct, _dlpack, _engine, _jaxfns, _windows
+from bridge import _direct, _dlpack, _engine, _jaxfns, _launch, _windows
 from bridge.warmup import compiled_programs
 
 MAX_WINDOW = _windows.MAX_WINDOW  # rows of the largest window
 Window = _windows.Window
 
 __all__ = ["MAX_WINDOW", "Window", "compiled_launchers", "compiled_programs",
-           "direct_route_ready", "dlpack_device", "jax_device", "memory_policy_note",
+           "direct_route_ready", "dlpack_device", "jax_device", "kernel_build_times",
+           "memory_policy_note",
            "row_windows", "staged_functions"]
 
 
 def compiled_launchers() -> int:
     """Kernels compiled for the direct route so far (one per kernel, window size and
     device); `compiled_programs()` counts them too."""
-    return _direct.compiled_launchers()
+    return _launch.compiled_launchers()
+
+
+def kernel_build_times() -> dict:
+    """Where the direct route's build time went in this process, summed over threads:
+    `lower` (seconds of JAX tracing and lowering kernels to Mosaic GPU modules; a
+    persistent-cache hit skips it), `compile` (seconds of Mosaic compiling modules to
+    GPU code, paid in every process), `built` (kernels lowered here) and `loaded`
+    (kernels whose module came from the persistent cache)."""
+    return _launch.build_times()
 
 
 def direct_route_ready() -> bool:

@@ -13,6 +13,7 @@ implementation, process group size and, for the fused head, H and chunk_size.
 
 from __future__ import annotations
 
+import concurrent.futures
 import sys
 import time
 from typing import Callable, NamedTuple, Optional, Union
@@ -75,6 +76,7 @@ def warmup(
     hidden_size: Optional[int] = None,
     chunk_size: Optional[int] = None,
     progress: Union[bool, Callable[[str], None]] = True,
+    threads: int = 1,
 ) -> WarmupReport:
     """Compile the programs of every row window a call with T <= `max_tokens` uses.
 
@@ -95,6 +97,11 @@ def warmup(
       device: default the current CUDA device if there is one, else the CPU.
       progress: True: one line per compiled step (a window's forward, its backward) and
         a summary on stderr; a callable: gets those lines instead; False: silent.
+      threads: window sizes warmed at once. The compiles release Python's GIL (XLA's,
+        and Mosaic's compile of the direct route's kernels, which runs in every process
+        even with a warm persistent cache), so on a many-core host several threads cut
+        the warm-up's wall time. Ignored with a process group of several ranks, whose
+        collectives must run in the same order on every rank.
 
     Returns:
       `WarmupReport(programs, seconds, windows, total_programs)`.
@@ -103,6 +110,8 @@ def warmup(
     size not a multiple of 16 bytes on CUDA, 64 on CPU) is one window of exactly T rows
     (`bridge/_windows.py`): such T cannot be warmed up in advance.
     """
+    if threads < 1:
+        raise ValueError(f"threads must be at least 1, got {threads}")
     if device is None:
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
@@ -123,38 +132,53 @@ def warmup(
         steps += [(t, size) for t, size in several if t <= max_tokens]
     top = max(t for t, _ in steps) if steps else 0
     kw = dict(dtype=dtype, device=device)
-    grad = torch.enable_grad() if backward else torch.no_grad()
+    # A fresh context per step: grad mode is per thread, and a context object holds state.
+    grad_mode = torch.enable_grad if backward else torch.no_grad
     ids = torch.zeros(top, dtype=target_dtype, device=device)
     mask = torch.ones(top, vocab_size, dtype=torch.bool, device=device) if masked else None
     if linear:
-        weight = torch.zeros(vocab_size, hidden_size, **kw).requires_grad_(backward)
+        weight = torch.zeros(vocab_size, hidden_size, **kw)
         rows = torch.zeros(top, hidden_size, **kw)
     else:
         rows = torch.zeros(top, vocab_size, **kw)
-    first = compiled_programs()
-    start = time.perf_counter()
-    for num_tokens, size in steps:
+    if process_group is not None and torch.distributed.get_world_size(process_group) > 1:
+        threads = 1  # collectives must run in the same order on every rank
+
+    def run_step(num_tokens, size):
         x = rows[:num_tokens].detach().requires_grad_(backward)
+        # Each step its own leaf of the weight: threads never accumulate into one .grad.
+        w = weight.detach().requires_grad_(backward) if linear else None
         args = dict(keep_mask=None if mask is None else mask[:num_tokens],
                     temperature=temperature, with_entropy=with_entropy,
                     entropy_grad=entropy_grad, implementation=implementation,
                     process_group=process_group)
         what = f"window {size:>5}" + (f" (T = {num_tokens})" if num_tokens != size else "")
-        with grad:
+        with grad_mode():
             before, t0 = compiled_programs(), time.perf_counter()
             if linear:
-                lp, ent = linear_logprob_entropy(x, weight, ids[:num_tokens],
+                lp, ent = linear_logprob_entropy(x, w, ids[:num_tokens],
                                                  chunk_size=chunk_size, **args)
             else:
                 lp, ent = logprob_entropy(x, ids[:num_tokens], **args)
             _sync(device)
-            _line(report, what, "forward", compiled_programs() - before, t0)
+            _line(report, what, "forward", compiled_programs() - before, t0, threads)
             if backward:
                 before, t0 = compiled_programs(), time.perf_counter()
                 loss = lp.sum() + (ent.sum() if with_entropy and entropy_grad else 0.0)
                 loss.backward()
                 _sync(device)
-                _line(report, what, "backward", compiled_programs() - before, t0)
+                _line(report, what, "backward", compiled_programs() - before, t0, threads)
+
+    first = compiled_programs()
+    start = time.perf_counter()
+    if threads > 1:
+        # Largest windows first: they compile longest, so the pool ends together.
+        with concurrent.futures.ThreadPoolExecutor(threads) as pool:
+            for future in [pool.submit(run_step, *step) for step in reversed(steps)]:
+                future.result()
+    else:
+        for step in steps:
+            run_step(*step)
     seconds = time.perf_counter() - start
     total = compiled_programs()
     result = WarmupReport(total - first, seconds, tuple(sizes), total)
@@ -169,6 +193,7 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def _line(report, what, step, programs, t0):
-    report(f"bridge.warmup: {what} {step:<8}: {programs} program(s), "
-           f"{time.perf_counter() - t0:.2f} s")
+def _line(report, what, step, programs, t0, threads):
+    # With several threads the count of programs would include the other threads'.
+    count = f"{programs} program(s), " if threads == 1 else ""
+    report(f"bridge.warmup: {what} {step:<8}: {count}{time.perf_counter() - t0:.2f} s")

@@ -38,7 +38,7 @@ def launches(monkeypatch):
     seen = []
 
     def fake_launcher(kernel, operands, device):
-        structs = [_direct._struct(op[:-1], op[-1]) for op in operands]
+        structs = [jax.ShapeDtypeStruct(tuple(op[:-1]), op[-1]) for op in operands]
         out_info = jax.jit(kernel).trace(*structs).out_info  # raises on a wrong operand
         num_outputs = len(out_info) if isinstance(out_info, (list, tuple)) else 1
 

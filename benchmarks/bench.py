@@ -152,7 +152,7 @@ def main(argv=None):
     t_start = time.perf_counter()
     import torch
     import jax
-    from benchmarks import report
+    from benchmarks import tables
     from benchmarks.runner import Bench, print_row
 
     args.on_gpu = torch.cuda.is_available() and jax.default_backend() == "gpu"
@@ -228,14 +228,14 @@ def main(argv=None):
         results["elapsed_s"] = time.perf_counter() - t_start
         write_json(out_path, results)
 
-    results["speedups"] = report.speedups(results)
+    results["speedups"] = tables.speedups(results)
     results["complete"] = True
     results["elapsed_s"] = time.perf_counter() - t_start
     write_json(out_path, results)
     print()
-    print(report.text_table(results))
+    print(tables.text_table(results))
     print()
-    print(report.text_speedups(results))
+    print(tables.text_speedups(results))
     print(f"\n[bench] done in {results['elapsed_s']:.0f} s; results in {out_path}", flush=True)
     error = bench.impls.close()
     if error:

@@ -20,10 +20,10 @@ import argparse
 import os
 import sys
 
-from benchmarks import report
+from benchmarks import tables
 from benchmarks.harness import roofline_bytes, roofline_ms
 
-STYLE = {  # colour, marker; the Pallas backends (report.PALLAS_ORDER) apart at a glance
+STYLE = {  # colour, marker; the Pallas backends (tables.PALLAS_ORDER) apart at a glance
     "jaxops-pallas": ("tab:pink", "*"), "jaxops-pallas_triton": ("tab:red", "o"),
     "jaxops-pallas_mosaic": ("tab:cyan", "P"), "jaxops-pallas_mosaic-u8": ("tab:blue", "P"),
     "jaxops-xla": ("tab:orange", "s"),
@@ -42,7 +42,7 @@ def panels(results, V):
     wanted = {k[1:] for k, v in Ts.items() if len(v) >= 2}
     if not wanted:
         wanted = {k[1:] for k in Ts}
-    return [c for c in report.combos(results, None, V) if c in wanted]
+    return [c for c in tables.combos(results, None, V) if c in wanted]
 
 
 def plot(results, out_path):
@@ -51,17 +51,17 @@ def plot(results, out_path):
     import matplotlib.pyplot as plt
     import matplotlib.ticker  # noqa: F401
 
-    _, V = report.main_size(results)
+    _, V = tables.main_size(results)
     combos = panels(results, V)
     if not combos:
         raise SystemExit("no rows to plot")
-    _, meta = report.rows_run(results)  # the run the rows come from (--append)
+    _, meta = tables.rows_run(results)  # the run the rows come from (--append)
     bw = (meta.get("bandwidth") or {}).get("used_Bps")
     fig, axes = plt.subplots(3, len(combos), figsize=(3.6 * len(combos) + 1.5, 10),
                              squeeze=False, sharex=True,
                              gridspec_kw={"height_ratios": (1, 1, 0.6)})
     handles = {}
-    names = report.labels(results)
+    names = tables.labels(results)
     for col, (dtype, entropy, mask) in enumerate(combos):
         rows = [r for r in results["rows"] if (r["dtype"], r["V"], r["entropy"], r["mask"])
                 == (dtype, V, entropy, mask)]
@@ -73,9 +73,9 @@ def plot(results, out_path):
                 (h,) = ax.plot(Ts, roof, "k--", lw=1.5, label="roofline", zorder=5)
                 handles["roofline"] = h
             oom_T = {}
-            for impl in report.IMPL_ORDER:
+            for impl in tables.IMPL_ORDER:
                 pts = sorted((r["T"], r[f"{phase}_ms"]) for r in rows
-                             if r["impl"] == impl and report.ok(r, phase))
+                             if r["impl"] == impl and tables.ok(r, phase))
                 colour, marker = STYLE.get(impl, ("gray", "."))
                 if pts:
                     (h,) = ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker,
@@ -95,16 +95,16 @@ def plot(results, out_path):
                 handles.setdefault("OOM", ax.plot([], [], "x", color="gray", ms=8, mew=2,
                                                   label="out of memory")[0])
             ax.grid(True, which="both", alpha=0.3)
-            ax.set_title(f"{title}: {report.DT.get(dtype, dtype)}, entropy "
-                         f"{report.yn(entropy)}, mask {report.yn(mask)}", fontsize=9)
+            ax.set_title(f"{title}: {tables.DT.get(dtype, dtype)}, entropy "
+                         f"{tables.yn(entropy)}, mask {tables.yn(mask)}", fontsize=9)
             if col == 0:
                 ax.set_ylabel("time (ms, median)")
         # Third row: forward+backward time / roofline (linear), with the docs/design.md §8 target.
         ax = axes[2][col]
         top = 1.3
-        for impl in report.IMPL_ORDER:
+        for impl in tables.IMPL_ORDER:
             pts = sorted((r["T"], r["fb_x_roof"]) for r in rows
-                         if r["impl"] == impl and report.ok(r, "fb") and r.get("fb_x_roof"))
+                         if r["impl"] == impl and tables.ok(r, "fb") and r.get("fb_x_roof"))
             if pts:
                 colour, marker = STYLE.get(impl, ("gray", "."))
                 ax.plot([p[0] for p in pts], [p[1] for p in pts], marker=marker, color=colour,
@@ -131,7 +131,7 @@ def plot(results, out_path):
     dev = (results.get("device") or {}).get("name")
     commit = ((meta.get("git") or {}).get("commit") or "?")[:10]
     fig.suptitle(f"log-prob/entropy on {dev}: time vs T "
-                 f"(copy bandwidth {report.bandwidth(bw)}; commit {commit}, {meta.get('date')})"
+                 f"(copy bandwidth {tables.bandwidth(bw)}; commit {commit}, {meta.get('date')})"
                  if bw else f"log-prob/entropy on {dev}", fontsize=10)
     fig.legend(list(handles.values()), [h.get_label() for h in handles.values()],
                loc="lower center", ncol=min(len(handles), 5), fontsize=8, frameon=False)
@@ -148,7 +148,7 @@ def main(argv=None):
     parser.add_argument("--out", default=None, help="PNG (default: the JSON's path with .png)")
     args = parser.parse_args(argv)
     out = args.out or os.path.splitext(args.results)[0] + ".png"
-    print(plot(report.load(args.results), out))
+    print(plot(tables.load(args.results), out))
     return 0
 
 

@@ -1,5 +1,5 @@
-"""bench.py's engine: one case at a time (inputs, timing, peak memory), and the copy
-bandwidth the roofline divides by.
+"""bench.py's engine: one case at a time (timing, peak memory; its inputs are made by
+inputs.py), and the copy bandwidth the roofline divides by.
 
 Measurement rules (all recorded in the JSON under "method"):
 
@@ -30,23 +30,24 @@ Measurement rules (all recorded in the JSON under "method"):
 * JAX and PyTorch share the GPU: XLA_PYTHON_CLIENT_PREALLOCATE=false is set before JAX
   starts (and XLA_PYTHON_CLIENT_MEM_FRACTION=0.90 unless set), with the default BFC
   allocator: its pool grows but is never returned, so the implementations that allocate
-  from torch's pool (the torch-only ones and the bridge) at the large sizes (T = 32768: 20 GB fp32 logits, ~100 GB for eager temporaries) run first
-  of all, before JAX has allocated anything but the bandwidth test. The platform allocator would return
-  memory but makes every allocation a synchronous cudaMalloc/cudaFree and would distort
-  JAX's times; it is not used. Between cases everything is freed (del, gc,
+  from torch's pool (the torch-only ones and the bridge) at the large sizes (T = 32768:
+  20 GB fp32 logits, ~100 GB for eager temporaries) run first of all, before JAX has
+  allocated anything but the bandwidth test. The platform allocator would return memory
+  but makes every allocation a synchronous cudaMalloc/cudaFree and would distort JAX's
+  times; it is not used. Between cases everything is freed (del, gc,
   `torch.cuda.empty_cache()`); an OOM is recorded as "OOM" and the run continues.
 * Memory held by the bench itself: a case's peak is its inputs, one call's outputs (the
   gradient) and the implementation's own temporaries. The timing loop drops a call's
   outputs before the next call (harness.time_calls), the [T, V] inputs are made in row
-  blocks (no full-size temporaries: `block_rows`), nothing of a case outlives it, and each
-  row records what was still allocated when it started (`jax_live_bytes_at_start`, and
-  `torch_allocated_bytes_at_start` on a GPU: both ~0) next to JAX's pool and the free
-  device memory. Byte arithmetic at fp32 T = 32,768, V = 151,936 (T*V = 4.98e9):
-  logits 19.9 GB, gradient 19.9 GB, bool mask 5.0 GB. Forward+backward held
-  logits + 2 gradients = 59.7 GB before (the previous call's gradient was alive while the
-  next call allocated its own), + transient input-generation temporaries (JAX's
-  random bits, torch's uint8 mask bytes); now logits + 1 gradient = 39.8 GB, what the op
-  alone needs: 19.9 GB less. JAX's pool (BFC, never returned) still keeps the regions
+  blocks (no full-size temporaries: inputs.py's `block_rows`), nothing of a case outlives
+  it, and each row records what was still allocated when it started
+  (`jax_live_bytes_at_start`, and `torch_allocated_bytes_at_start` on a GPU: both ~0) next
+  to JAX's pool and the free device memory. Byte arithmetic at fp32 T = 32,768,
+  V = 151,936 (T*V = 4.98e9): logits 19.9 GB, gradient 19.9 GB, bool mask 5.0 GB.
+  Forward+backward holds logits + 1 gradient = 39.8 GB, what the op alone needs; with the
+  previous call's gradient alive while the next call allocates its own, and the input
+  generation's full-size temporaries (JAX's random bits, torch's uint8 mask bytes), it
+  would hold 59.7 GB and more. JAX's pool (BFC, never returned) still keeps the regions
   earlier cases grew (the bandwidth test's 2 x 5 GB, the headline size's) next to that;
   `jax_pool_bytes_at_start` and `device_free_bytes_at_start` show them.
 """
@@ -60,21 +61,10 @@ import traceback
 import warnings
 
 from benchmarks import harness
-from benchmarks.cases import (JAX_IMPLS, LOGIT_SCALE, MAIN_T, MAIN_V, MASK_THRESHOLD,
-                              MOSAIC_U8)
+from benchmarks.cases import JAX_IMPLS, MAIN_T, MAIN_V
 from benchmarks.harness import is_oom, itemsize, roofline_bytes, roofline_ms, short_error
 from benchmarks.impls import Implementations
-
-BLOCK_ELEMENTS = 1 << 27  # the [T, V] inputs are generated in row blocks of at most this
-
-
-def block_rows(T, V, limit=BLOCK_ELEMENTS):
-    """Rows per block of a [T, V] input made block by block: T halved while a block has
-    more than `limit` elements (T itself when T is odd: one block)."""
-    rows = T
-    while rows % 2 == 0 and rows * V > limit:
-        rows //= 2
-    return rows
+from benchmarks.inputs import CaseInputs
 
 
 class Bench:
@@ -92,90 +82,13 @@ class Bench:
                                      pallas_config=args.pallas_config,
                                      mosaic_config=args.mosaic_config,
                                      bridge_kwargs=args.bridge_kwargs)
+        self.inputs = CaseInputs(torch, jax, self.tdev, args.max_input_gb)
         self.bandwidth = None  # measure_bandwidth()
-        self._generators = {}  # jitted JAX input generators per (shape, dtype, kind)
-        self.seed = 0
 
     def new_size(self):
         """Between sizes: the input generators' executables are all JAX caches per size."""
         gc.collect()
-        self._generators.clear()
-
-    # --------------------------------------------------------------- data
-    def next_seed(self):
-        self.seed += 1
-        return self.seed
-
-    def n_sets(self, case):
-        fwd_bytes, _ = roofline_bytes(case.dtype, case.T, case.V, case.mask)
-        return 2 if 2 * fwd_bytes <= self.args.max_input_gb * 1e9 else 1
-
-    def torch_inputs(self, case, requires_grad):
-        torch = self.torch
-        gen = torch.Generator(device=self.tdev).manual_seed(1000 + self.next_seed())
-        dtype = getattr(torch, case.dtype)
-        x = torch.randn((case.T, case.V), generator=gen, device=self.tdev, dtype=dtype)
-        x.mul_(LOGIT_SCALE)
-        x.requires_grad_(requires_grad)
-        y = torch.randint(0, case.V, (case.T,), generator=gen, device=self.tdev,
-                          dtype=torch.int64)
-        m = None
-        if case.mask:  # random bytes < threshold, a row block at a time (no [T, V] uint8)
-            m = torch.empty((case.T, case.V), device=self.tdev, dtype=torch.bool)
-            rows = block_rows(case.T, case.V)
-            for i in range(0, case.T, rows):
-                raw = torch.randint(0, 256, (min(rows, case.T - i), case.V), generator=gen,
-                                    device=self.tdev, dtype=torch.uint8)
-                torch.lt(raw, MASK_THRESHOLD, out=m[i:i + rows])
-            del raw
-        gl = torch.randn((case.T,), generator=gen, device=self.tdev, dtype=torch.float32)
-        gh = torch.randn((case.T,), generator=gen, device=self.tdev, dtype=torch.float32)
-        if case.impl == "torch-compile":
-            # T varies from batch to batch in RL: compile with T dynamic, V static (one
-            # graph per V, dtype and grad mode, reused across T; no recompile per T).
-            import torch._dynamo as dynamo
-            for t in (x, y, m):
-                if t is not None:
-                    dynamo.mark_dynamic(t, 0)
-            for t in (x, m):
-                if t is not None:
-                    dynamo.mark_static(t, 1)
-        return (x, y, m, gl, gh)
-
-    def jax_inputs(self, case):
-        jax, jnp = self.jax, self.jnp
-        key = jax.random.key(2000 + self.next_seed())
-        kx, ky, km, kg = jax.random.split(key, 4)
-        dtype = jnp.dtype(case.dtype)
-        shape = (case.T, case.V)
-        gen = self._generators
-        if (shape, dtype) not in gen:  # one compile per shape, not per call
-            gen[(shape, dtype)] = self._blockwise(
-                shape, lambda k, s: jax.random.normal(k, s, dtype) * jnp.asarray(LOGIT_SCALE,
-                                                                                   dtype))
-        if (shape, "mask") not in gen:  # random bytes: no [T, V] float32 temporary
-            gen[(shape, "mask")] = self._blockwise(
-                shape, lambda k, s: jax.random.bits(k, s, jnp.uint8) < MASK_THRESHOLD)
-        x = gen[(shape, dtype)](kx)
-        y = jax.random.randint(ky, (case.T,), 0, case.V, jnp.int32)
-        m = gen[(shape, "mask")](km) if case.mask else None
-        if m is not None and case.impl == MOSAIC_U8:  # made outside the timed calls
-            m = m.astype(jnp.uint8)
-        gl, gh = jax.random.normal(kg, (2, case.T), jnp.float32)
-        return jax.block_until_ready((x, y, m, gl, gh))
-
-    def _blockwise(self, shape, make):
-        """jit(key -> [T, V] array), made `block_rows` rows at a time by `make(key, block
-        shape)` into the output (lax.map: one block's temporaries, e.g. the random bits,
-        at a time; the reshape is free), so the peak is the array itself."""
-        jax = self.jax
-        T, V = shape
-        rows = block_rows(T, V)
-
-        def gen(key):
-            keys = jax.random.split(key, T // rows)
-            return jax.lax.map(lambda k: make(k, (rows, V)), keys).reshape(T, V)
-        return jax.jit(gen)
+        self.inputs.clear()
 
     # --------------------------------------------------------------- sync / memory
     def torch_sync(self):
@@ -307,7 +220,7 @@ class Bench:
             (g,) = vjp((gl, gh if case.entropy else None))
             return lp, h, g
 
-        sets = [self.jax_inputs(case) for _ in range(self.n_sets(case))]
+        sets = [self.inputs.jax_inputs(case) for _ in range(self.inputs.n_sets(case))]
         row["n_input_sets"] = len(sets)
         row["mem_method"] = "xla-buffer-assignment"
         fwd_sets = [s[:3] for s in sets]
@@ -399,7 +312,8 @@ class Bench:
             (g,) = torch.autograd.grad(outs, [x], cots)
             return lp.detach(), (None if h is None else h.detach()), g
 
-        sets = [self.torch_inputs(case, requires_grad=True) for _ in range(self.n_sets(case))]
+        sets = [self.inputs.torch_inputs(case, requires_grad=True)
+                for _ in range(self.inputs.n_sets(case))]
         row["n_input_sets"] = len(sets)
         row["mem_method"] = ("torch-allocator+jax-memory-stats" if case.impl == "bridge"
                              else "torch-allocator")

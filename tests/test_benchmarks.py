@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from benchmarks import bench, cases, harness, report  # stdlib-only at import time
+from benchmarks import bench, cases, harness, report, tables  # stdlib-only at import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH_DIR = os.path.join(REPO, "benchmarks")
@@ -108,7 +108,7 @@ def test_time_calls_keeps_one_output_alive():
 
 
 def test_inputs_are_made_in_row_blocks():
-    from benchmarks.runner import BLOCK_ELEMENTS, block_rows
+    from benchmarks.inputs import BLOCK_ELEMENTS, block_rows
     assert block_rows(32768, 151_936) == 512 and 512 * 151_936 <= BLOCK_ELEMENTS
     assert block_rows(8192, 151_936 // 8) == 4096
     assert block_rows(32, 1000) == 32 and block_rows(70, 10**9) == 35
@@ -187,7 +187,7 @@ def test_docs_tables_are_the_committed_json():
     and the README's short table (links relative to each file's folder)."""
     json_path = os.path.join(BENCH_DIR, "results", "h200.json")
     png_path = os.path.join(BENCH_DIR, "results", "h200.png")
-    results = report.load(json_path)
+    results = tables.load(json_path)
     docs = os.path.join(REPO, "docs")
     with open(os.path.join(docs, "performance.md")) as f:
         performance = f.read()
@@ -329,13 +329,13 @@ def test_plot_and_report(tiny_results, tmp_path):
     # Traceable: the headline numbers are the JSON's, formatted.
     for impl in ("jaxops-pallas", "jaxops-pallas_triton"):  # a column each
         pallas = next(r for r in results["rows"] if r["impl"] == impl and r["status"] == "ok")
-        assert report.ms(pallas["fb_ms"]) in section and report.ms(pallas["fwd_ms"]) in section
-        assert f"| {report.labels(results)[impl]} ms | × roofline |" in section
+        assert tables.ms(pallas["fb_ms"]) in section and tables.ms(pallas["fwd_ms"]) in section
+        assert f"| {tables.labels(results)[impl]} ms | × roofline |" in section
     # The default row is the headline, named as such; files without "default_impl" (the
     # committed h200.json) keep the old names (test_docs_tables_are_the_committed_json).
     assert "| jaxops (default) ms | × roofline | jaxops (Pallas Triton) ms |" in section
     assert "| roofline ms | jaxops (default) ms |" in summary
-    assert report.labels({})["jaxops-pallas"] == "jaxops (Pallas)"
+    assert tables.labels({})["jaxops-pallas"] == "jaxops (Pallas)"
     assert "cpu.png" in section
 
 
@@ -374,9 +374,9 @@ def test_report_describes_the_run_the_rows_come_from():
     later = {"date": "d1", "git": {"commit": "bbbbbbb"}, "bandwidth": {"used_Bps": 2e12}}
     rows = [{"run": 1}, {"run": 1}]
     results = {**first, "runs": [first, later], "rows": rows}
-    assert report.rows_run(results) == ([1], {**results, **later})
+    assert tables.rows_run(results) == ([1], {**results, **later})
     mixed = {**results, "rows": [{"run": 0}, {"run": 1}]}
-    assert report.rows_run(mixed) == ([0, 1], mixed)
+    assert tables.rows_run(mixed) == ([0, 1], mixed)
 
 
 def test_linear_head_cpu_quick_has_every_row(tmp_path):
@@ -385,7 +385,7 @@ def test_linear_head_cpu_quick_has_every_row(tmp_path):
     that need nothing beyond JAX, PyTorch and this project are measured and agree."""
     if not _module_available("torch"):
         pytest.skip("linear_head.py compares against PyTorch, which is not installed")
-    from benchmarks import linear_head
+    from benchmarks import linear_head, linear_head_impls
     out = tmp_path / "linear_head.json"
     stdout = _run("-m", "benchmarks.linear_head", "--device", "cpu", "--quick",
                   "--reps", "2", "--max-calls", "2", "--out", str(out), timeout=120)
@@ -396,8 +396,9 @@ def test_linear_head_cpu_quick_has_every_row(tmp_path):
     assert "commit" in results["git"]
     rows = {(r["impl"], r["T"], r["H"], r["entropy"]): r for r in results["rows"]}
     T, H = linear_head.CPU_CASE
-    expected = {(impl, T, H, linear_head.FIXED_ENTROPY.get(impl) if not per_entropy else True)
-                for impl, (_, _, per_entropy) in linear_head.IMPLS.items()}
+    fixed_entropy = linear_head_impls.FIXED_ENTROPY
+    expected = {(impl, T, H, fixed_entropy.get(impl) if not per_entropy else True)
+                for impl, (_, _, per_entropy) in linear_head_impls.IMPLS.items()}
     assert set(rows) == expected
     for key, row in rows.items():
         timed = all(row.get(f"{p}_ms", 0) > 0 and math.isfinite(row[f"{p}_ms"])
@@ -413,8 +414,7 @@ def test_linear_head_cpu_quick_has_every_row(tmp_path):
     # torch.compile is skipped on the CPU; Liger / verl run only where they import
     assert rows[("torch-compile", T, H, True)]["status"].startswith("skipped: torch.compile")
     for impl in ("liger", "verl"):
-        assert rows[(impl, T, H, linear_head.FIXED_ENTROPY[impl])]["status"].startswith(
-            "skipped"), impl
+        assert rows[(impl, T, H, fixed_entropy[impl])]["status"].startswith("skipped"), impl
     # the same inputs everywhere: log-prob and entropy means agree across implementations
     means = [(r["lp_mean"], r["h_mean"]) for r in results["rows"] if "lp_mean" in r]
     assert len(means) == 4

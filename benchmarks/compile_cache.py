@@ -1,6 +1,7 @@
 """Compilation in an RL run: a loop of varying T in fresh processes, cold and warm cache.
 
     python -m benchmarks.compile_cache [--device cpu|gpu] [--out FILE_OR_DIR] [--calls 40]
+                                       [--threads N] [--runs cold,warm,warmup,warmup_warm]
 
 A PPO-style loop (`--calls` forward+backward calls of `bridge.logprob_entropy`, T uniform
 in [1, --max-tokens], fixed seed; entropy with its gradient) runs in a fresh Python
@@ -9,9 +10,11 @@ process three times, with `JAXOPS_CACHE_DIR` (docs/compilation.md) in a temporar
   warm    the same folder again, as a restarted run: programs come from the cache;
   warmup  another empty folder, `bridge.warmup(max_tokens, ...)` first, then the loop;
   warmup_warm  the same again with that folder: the warm-up loads every program.
+(`--runs` picks some of them; `--threads N` warms N window sizes at once.)
 For each: process wall time, import time, the loop's time (the first pass: the sum of
 the calls' times, each device-synchronised), programs compiled
-(`bridge.compiled_programs()`), JAX's compile-time events and cache hits/misses, every
+(`bridge.compiled_programs()`), JAX's compile-time events and cache hits/misses, the
+direct route's build seconds by phase (`bridge.diagnostics.kernel_build_times()`), every
 call's (T, seconds, new programs) -- "one new window" is the median time of a call after
 the first that added programs (its first call at a new window size) -- and a digest of
 every call's results (taken outside the timing): the three runs must agree bit for bit.
@@ -51,6 +54,7 @@ def child(args) -> dict:
 
     import bridge  # first: JAX must start without preallocating
     import jax
+    from bridge import diagnostics
 
     imported = time.perf_counter() - start
     durations = {e: 0.0 for e in _EVENTS}
@@ -79,9 +83,11 @@ def child(args) -> dict:
     out = {"mode": args.child, "import_s": imported}
     if args.child == "warmup":
         report = bridge.warmup(args.max_tokens, args.vocab, dtype=dtype, device=dev,
-                               implementation=args.implementation, progress=False)
+                               implementation=args.implementation, progress=False,
+                               threads=args.threads)
         out["warmup"] = {"programs": report.programs, "seconds": report.seconds,
-                         "windows": list(report.windows)}
+                         "windows": list(report.windows), "threads": args.threads,
+                         "kernel_build": diagnostics.kernel_build_times()}
     calls = []
     digest = hashlib.sha256()  # of every call's results: runs must agree bit for bit
     loop_s = 0.0
@@ -104,6 +110,7 @@ def child(args) -> dict:
     out["programs"] = bridge.compiled_programs()
     out["compile_events_s"] = {e.rsplit("/", 1)[-1]: round(s, 4) for e, s in durations.items()}
     out["cache_events"] = counts
+    out["kernel_build"] = diagnostics.kernel_build_times()  # the warm-up's included
     out["calls"] = calls
     out["process_s"] = time.perf_counter() - start
     return out
@@ -113,7 +120,7 @@ def _run_child(args, mode, cache_dir) -> dict:
     cmd = [sys.executable, "-m", "benchmarks.compile_cache", "--child", mode,
            "--device", args.device, "--vocab", str(args.vocab), "--dtype", args.dtype,
            "--calls", str(args.calls), "--max-tokens", str(args.max_tokens),
-           "--seed", str(args.seed)]
+           "--seed", str(args.seed), "--threads", str(args.threads)]
     if args.implementation:
         cmd += ["--implementation", args.implementation]
     env = dict(os.environ, JAXOPS_CACHE_DIR=cache_dir)
@@ -162,13 +169,20 @@ def summary(res) -> str:
                  f"programs" if "warmup" in r else "")
         first = r["calls"][0][1]
         nw = _new_window_s(r)
+        build = r.get("kernel_build") or {}
+        if build.get("built") or build.get("loaded"):
+            extra += (f"; direct-route kernels: {build['built']} lowered "
+                      f"({build['lower']:.2f} s), {build['loaded']} from the cache, "
+                      f"compiled in {build['compile']:.2f} s")
         lines.append(
             f"  {name:<11} process {r['wall_s']:6.2f} s, loop {r['loop_s']:6.2f} s "
             f"(first call {first:.2f} s, new window {'-' if nw is None else f'{nw:.3f} s'}, "
             f"steady {1e3 * (_steady_s(r) or 0):.2f} ms), {r['loop_programs']} programs in "
             f"the loop{extra}; cache {r['cache_events']}")
-    lines.append(f"  warm/cold: loop {res['ratio_loop']:.2f}, process {res['ratio_process']:.2f}; "
-                 f"results bit-identical in all runs: {res['identical']}")
+    if res["ratio_loop"] is not None:
+        lines.append(f"  warm/cold: loop {res['ratio_loop']:.2f}, "
+                     f"process {res['ratio_process']:.2f}")
+    lines.append(f"  results bit-identical in all runs: {res['identical']}")
     return "\n".join(lines)
 
 
@@ -182,6 +196,10 @@ def main(argv=None):
     parser.add_argument("--max-tokens", type=int, default=32_768)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--implementation", default=None)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="window sizes the warm-up processes warm at once")
+    parser.add_argument("--runs", default="cold,warm,warmup,warmup_warm",
+                        help="which processes to run, comma-separated, in this order")
     parser.add_argument("--child", choices=("cold", "warm", "warmup"), default=None)
     args = parser.parse_args(argv)
     for key, value in PRESETS[args.device].items():
@@ -196,8 +214,11 @@ def main(argv=None):
     tmp = tempfile.mkdtemp(prefix="jaxops-compile-cache-")
     try:
         runs = {}
+        wanted = args.runs.split(",")
         for label, mode, folder in (("cold", "cold", "a"), ("warm", "warm", "a"),
                                     ("warmup", "warmup", "b"), ("warmup_warm", "warmup", "b")):
+            if label not in wanted:
+                continue
             runs[label] = _run_child(args, mode, os.path.join(tmp, folder))
             print(f"[compile_cache] {label}: loop {runs[label]['loop_s']:.2f} s, "
                   f"process {runs[label]['wall_s']:.2f} s", file=sys.stderr, flush=True)
@@ -211,8 +232,11 @@ def main(argv=None):
            "versions": {"python": platform.python_version(), "jax": jax.__version__,
                         "torch": torch.__version__},
            "runs": runs,
-           "ratio_loop": runs["warm"]["loop_s"] / runs["cold"]["loop_s"],
-           "ratio_process": runs["warm"]["wall_s"] / runs["cold"]["wall_s"],
+           "threads": args.threads,
+           "ratio_loop": (runs["warm"]["loop_s"] / runs["cold"]["loop_s"]
+                          if {"cold", "warm"} <= runs.keys() else None),
+           "ratio_process": (runs["warm"]["wall_s"] / runs["cold"]["wall_s"]
+                             if {"cold", "warm"} <= runs.keys() else None),
            "identical": len({r["digest"] for r in runs.values()}) == 1,
            "new_window_s": {m: _new_window_s(r) for m, r in runs.items()}}
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",

@@ -210,3 +210,38 @@ def test_warmup_fused_head():
             hidden, weight, torch.randint(0, 32, (T,), generator=gen), temperature=tau)
         (lp.sum() + ent.sum()).backward()
     assert bridge.compiled_programs() == before
+
+
+def test_warmup_with_threads_compiles_the_same_programs():
+    # Window sizes warmed at once must leave nothing for later calls to compile, the
+    # fused head's shared weight included (each step takes its own leaf of it).
+    lines = []
+    tau = 0.5625
+    report = bridge.warmup(8, 64, dtype=torch.float32, device="cpu", temperature=tau,
+                           progress=lines.append, threads=3)
+    assert report.windows == (1, 2, 4, 8) and report.programs == 8
+    assert len(lines) == 9 and "program" not in lines[0]  # per-step lines: seconds only
+    before = bridge.compiled_programs()
+    gen = torch.Generator().manual_seed(3)
+    for T in (3, 8, 5, 1):
+        x = torch.randn(T, 64, generator=gen).requires_grad_()
+        lp, ent = bridge.logprob_entropy(x, torch.randint(0, 64, (T,), generator=gen),
+                                         temperature=tau)
+        (lp.sum() + ent.sum()).backward()
+    assert bridge.compiled_programs() == before
+    report = bridge.warmup(6, 32, hidden_size=16, dtype=torch.float32, device="cpu",
+                           temperature=0.4375, progress=False, threads=2)
+    assert report.programs > 0
+    before = bridge.compiled_programs()
+    weight = torch.randn(32, 16, generator=gen).requires_grad_()
+    for T in (5, 3, 6, 1, 4):
+        hidden = torch.randn(T, 16, generator=gen).requires_grad_()
+        lp, ent = bridge.linear_logprob_entropy(
+            hidden, weight, torch.randint(0, 32, (T,), generator=gen), temperature=0.4375)
+        (lp.sum() + ent.sum()).backward()
+    assert bridge.compiled_programs() == before
+
+
+def test_warmup_rejects_no_threads():
+    with pytest.raises(ValueError, match="threads"):
+        bridge.warmup(8, 64, device="cpu", threads=0)

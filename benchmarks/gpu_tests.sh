@@ -13,14 +13,17 @@
 #     bash benchmarks/gpu_tests.sh b d # several groups, one after the other
 # JOBS=N (optional; needs pytest-xdist, which the device image has): N test processes share
 # the one GPU, with XLA_PYTHON_CLIENT_ALLOCATOR=platform so that each test's memory goes back
-# (with XLA's caching allocator, 8 processes ran test_mosaic.py's T = 8192 tests out of
-# memory on the H200). On an H100: test_batch_invariance.py -m gpu with 6 processes
-# 68 s (245 s in one on the H200), test_logprob_entropy.py with 8 54 s, test_sharding_gpu.py
-# with 4 22 s; the linear files with 6 had one failure that the cut log did not name, so
-# run those alone when a failure must be told apart from the sharing.
-# carry: .whl (a megatron-core wheel for the device's Python). Each file runs under its own
-# time limit, so one slow file cannot hide the others' results; logs (with pytest's
-# slowest durations) go to $OUT/<file>.log and one summary line per file is printed.
+# (with XLA's caching allocator, 8 processes ran the Mosaic kernels' T = 8192 tests, now
+# test_mosaic_gpu.py, out of memory on the H200). On an H100: test_batch_invariance.py -m gpu
+# with 6 processes 68 s (245 s in one on the H200), the log-prob tests (then one file,
+# test_logprob_entropy.py) with 8 54 s, test_sharding_gpu.py with 4 22 s; the linear files
+# with 6 had one failure that the cut log did not name, so run those alone when a failure
+# must be told apart from the sharing.
+# carry: .whl (a megatron-core wheel for the device's Python). Each file (or the files one
+# test file was split into, run together) runs under its own time limit, so one slow file
+# cannot hide the others' results; logs (with pytest's slowest durations) go to
+# $OUT/<first file>.log and one summary line per run is printed. The tests mirror the
+# packages: tests/jaxops (the JAX op), tests/bridge (the PyTorch bridge).
 set -u
 OUT=${OUT:-/tmp/gpu_tests}
 mkdir -p "$OUT" /tmp/site
@@ -35,12 +38,14 @@ if [ -n "${JOBS:-}" ]; then
     PARALLEL=(-n "$JOBS")
     export XLA_PYTHON_CLIENT_ALLOCATOR=platform
 fi
-run() {  # run SECONDS FILE [pytest args...]
+run() {  # run SECONDS FILE [FILE ...] [pytest args...]
     local limit=$1 file=$2; shift 2
-    local log="$OUT/$(basename "$file" .py).log" t0=$(date +%s)
+    local log="$OUT/$(basename "$file" .py).log" t0=$(date +%s) more=0 arg
+    for arg in "$@"; do [[ $arg == *.py ]] && more=$((more + 1)); done
     timeout "$limit" python3 -m pytest -q -p no:cacheprovider -p no:warnings -rfs \
         --durations=5 ${PARALLEL[@]+"${PARALLEL[@]}"} "$file" "$@" > "$log" 2>&1
     local rc=$?
+    [ $more -gt 0 ] && file="$file (+$more)"
     echo "== $file rc=$rc $(( $(date +%s) - t0 ))s: $(grep -E '(passed|failed|error)' "$log" | tail -n 1)"
     [ $rc = 124 ] && echo "   (time limit $limit s hit: $(grep -cE '^\.|^F' "$log") progress lines)"
 }
@@ -50,29 +55,33 @@ example() {  # example SECONDS SCRIPT [args...]
     timeout "$limit" python3 "$script" "$@" > "$log" 2>&1
     echo "== $script rc=$? $(( $(date +%s) - t0 ))s: $(tail -n 1 "$log")"
 }
+# Files split by topic from one test file each: their GPU tests run together, as before.
+LOGPROB=(tests/jaxops/test_logprob_{entropy,tiles,masks,extremes,bad_calls,staged}.py)
+MOSAIC=(tests/jaxops/test_mosaic{,_dispatch,_lowering,_gpu}.py)
+LINEAR_HEAD=(tests/jaxops/test_linear_head{,_fused,_lowering}.py)
 [ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu_tests.sh a|b|c|d [more groups]" >&2; exit 2; }
 for group in "$@"; do
 case "$group" in
     a)
-        run 170 tests/test_bridge_cuda.py
-        run 290 tests/test_batch_invariance.py -m gpu
-        run 40 tests/test_large_sizes.py -m gpu
-        run 40 tests/test_bridge_linear.py -k cuda
+        run 170 tests/bridge/test_bridge_cuda.py
+        run 290 tests/jaxops/test_batch_invariance.py -m gpu
+        run 40 tests/jaxops/test_large_sizes.py -m gpu
+        run 40 tests/bridge/test_bridge_linear.py -k cuda
         ;;
     b)
-        run 450 tests/test_mosaic.py -m gpu
-        run 50 tests/test_logprob_entropy.py -m gpu
-        run 60 tests/test_sharding_gpu.py
-        run 90 tests/test_mask_view.py -m gpu  # H100: 9 passed, 97 s
-        run 60 tests/test_backends.py  # every registry backend compiled: H100 36 passed, 17 s
+        run 450 "${MOSAIC[@]}" -m gpu  # the GPU tests are in test_mosaic_gpu.py
+        run 50 "${LOGPROB[@]}" -m gpu
+        run 60 tests/jaxops/test_sharding_gpu.py
+        run 90 tests/jaxops/test_mask_view.py -m gpu  # H100: 9 passed, 97 s
+        run 60 tests/jaxops/test_backends.py  # every registry backend compiled: H100 36 passed, 17 s
         ;;
     c)
-        run 420 tests/test_bridge_direct.py
+        run 420 tests/bridge/test_bridge_direct.py
         example 120 examples/torch_ppo_loop.py --device cuda
         ;;
     d)
-        run 300 tests/test_default_batch_invariance.py -m gpu
-        run 240 tests/test_linear_head.py -m gpu
+        run 300 tests/bridge/test_default_batch_invariance.py -m gpu
+        run 240 "${LINEAR_HEAD[@]}" -m gpu  # the GPU tests are in test_linear_head_fused.py
         ;;
     *)
         echo "usage: bash benchmarks/gpu_tests.sh a|b|c|d [more groups]" >&2

@@ -12,7 +12,7 @@ block by block, so the timings keep T = 8192 on an 80 GB H100 and a 141 GB H200.
 Every array reaches the jitted programs below as an argument, never as a value
 closed over by a Python function: a captured array is baked into the program as a
 constant (at the GPU size the 1.2 GB keep mask made each masked program 2.5 GB of
-HLO text and ~46 s of compilation). `tests/test_no_large_constants.py` checks it.
+HLO text and ~46 s of compilation). `tests/repo/test_no_large_constants.py` checks it.
 """
 
 from __future__ import annotations

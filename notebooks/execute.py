@@ -9,7 +9,7 @@ working directory and this repository on PYTHONPATH. Exits non-zero if any cell 
 
 The executed notebook records a hash of its cells' sources in its metadata
 (`jaxops.sources_sha256`), so a test can tell whether the committed outputs belong to
-the committed sources (see tests/test_notebook_examples.py).
+the committed sources (see tests/repo/test_notebook_examples.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,7 @@
-"""Inputs and the float64 oracle for `jaxops.linear_logprob_entropy` (tests/test_linear_head.py
-and its multi-device worker tests/_linear_head_worker.py).
+"""Inputs and the float64 oracle for `jaxops.linear_logprob_entropy`
+(tests/jaxops/test_linear_head*.py and its multi-device worker
+tests/jaxops/_linear_head_worker.py), also used by the bridge's tests of
+`bridge.linear_logprob_entropy` (tests/bridge/test_bridge_linear*.py).
 
 The oracle is the op itself with `implementation="reference"` on the same hidden and
 weight values upcast to float64: logits = hidden @ weight.T in float64, then the
@@ -78,7 +80,7 @@ def check_linear(label, got, data, dtype, *, temperature, with_entropy, entropy_
     if with_entropy:
         assert_values_close(f"{label}: entropy", entropy, h64, bound)
     max_x = largest_abs_x(logits64, temperature)
-    # As tests/test_logprob_entropy.py's floor on d logits (0.1 * the cotangents' size /
+    # As tests/jaxops/_logprob_cases.py's floor on d logits (0.1 * the cotangents' size /
     # tau), times the matmul's other factor: it only matters where the exact gradient
     # is ~0 (V = 1), where fp32 rounding of g - g is all there is.
     scale = 0.1 * float(np.linalg.norm(data["d_log_prob"]) + np.linalg.norm(g_used)) / temperature

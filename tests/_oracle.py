@@ -11,9 +11,10 @@ x = logits / tau is itself off by ~eps32 * |x|, which moves the probabilities by
 much (relative), so `grad_rtol(dtype, max_abs_x)` grows the fp32 part of the
 allowance in proportion to max |x|, as the value bound does.
 
-Used by tests/test_logprob_entropy.py (and test_large_sizes.py), the vocab-parallel
-tests (tests/_sharding_cases.py) and the PyTorch bridge scenarios
-(tests/_bridge_scenarios.py, which have their own float64 torch reference but take
+Used by the tests of the JAX op (tests/jaxops/: _logprob_cases.py, test_mosaic*.py,
+test_large_sizes.py, the vocab-parallel _sharding_cases.py, ...), tests/_linear_cases.py
+and the PyTorch bridge scenarios
+(tests/bridge/_bridge_scenarios.py, which have their own float64 torch reference but take
 their tolerances from here). JAX is imported on first use only: the bridge's spawned
 processes import this module before the bridge has configured JAX.
 """

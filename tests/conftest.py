@@ -18,7 +18,7 @@ import jax
 import pytest
 
 # The bridge's persistent compilation cache stays off in test processes (each test
-# compiles for itself, nothing is written to ~/.cache); tests/test_bridge_cache.py
+# compiles for itself, nothing is written to ~/.cache); tests/bridge/test_bridge_cache.py
 # turns it on in the processes it starts.
 os.environ.setdefault("JAXOPS_CACHE_DIR", "off")
 

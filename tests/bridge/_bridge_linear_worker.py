@@ -1,5 +1,5 @@
 """Vocab-parallel checks of `bridge.linear_logprob_entropy` on spawned gloo ranks (run by
-tests/test_bridge_linear.py through `spawn`).
+tests/bridge/test_bridge_linear.py through `spawn`).
 
 Every rank builds the same full `hidden [T, H]`, `weight [R * V_loc, H]`, targets and
 mask, and passes its own weight rows `[r * V_loc, (r + 1) * V_loc)` (and mask columns).
@@ -181,7 +181,7 @@ def extra_checks(group, rank, world):
     import torch.distributed as dist
 
     import bridge
-    from _bridge_scenarios import CollectiveCounter
+    from _bridge_spawn import CollectiveCounter
 
     fresh = dist.new_group(list(range(world)))  # a group the bridge has not seen
     counts = []
@@ -260,7 +260,7 @@ def spawn(world: int, out_dir: str) -> list[str]:
     """Run `worker` on `world` spawned gloo ranks; return all failures."""
     import torch.multiprocessing as mp
 
-    from _bridge_scenarios import free_port
+    from _bridge_spawn import free_port
 
     mp.spawn(worker, args=(world, free_port(), out_dir), nprocs=world, join=True)
     failures = []

@@ -1,7 +1,7 @@
-"""One fresh process for tests/test_bridge_cache.py: the bridge's calls on a few small
+"""One fresh process for tests/bridge/test_bridge_cache.py: the bridge's calls on a few small
 configurations, reported as one JSON line.
 
-    python tests/_cache_worker.py CASE [CASE ...]    (CASE: a key of CASES)
+    python tests/bridge/_cache_worker.py CASE [CASE ...]    (CASE: a key of CASES)
 
 Per case: a digest of log_prob, entropy and d logits (bit-exact comparison across
 processes), the largest error against a float64 torch reference, and JAX's

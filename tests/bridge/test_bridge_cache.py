@@ -1,6 +1,6 @@
 """The bridge's persistent compilation cache (bridge/cache.py) and `bridge.warmup`.
 
-Across processes (each a fresh `tests/_cache_worker.py`, a few in parallel): a second
+Across processes (each a fresh `tests/bridge/_cache_worker.py`, a few in parallel): a second
 process loads every program from the cache and gets bit-identical results; a changed
 dtype or shape misses (no wrong reuse); damaged entries and an unwritable directory
 give warnings and correct results; `JAXOPS_CACHE_DIR=off` writes nothing; a JAX cache
@@ -24,7 +24,7 @@ import bridge
 from bridge import cache
 
 WORKER = pathlib.Path(__file__).with_name("_cache_worker.py")
-ROOT = WORKER.parent.parent
+ROOT = WORKER.parents[2]
 
 
 def _start(env_extra, cases, unset=("JAXOPS_CACHE_DIR", "JAX_COMPILATION_CACHE_DIR")):

@@ -1,6 +1,6 @@
 """CUDA tests of the PyTorch bridge (skipped without a CUDA device).
 
-The CPU scenario matrix (tests/_bridge_scenarios.py) on one GPU with the Pallas kernels,
+The CPU scenario matrix (tests/bridge/_bridge_scenarios.py) on one GPU with the Pallas kernels,
 against the float64 reference and Megatron-core; CUDA stream ordering without host
 synchronisation; zero copy; the memory policy; torch.compile and opcheck on CUDA; and a
 TP = 2 NCCL group when two GPUs are present.
@@ -25,8 +25,9 @@ import bridge  # noqa: E402
 from bridge import _dlpack, _engine, op  # noqa: E402
 
 import _bridge_scenarios as S  # noqa: E402
+from _bridge_spawn import one_rank_group, spawn  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CUDA = torch.device("cuda", 0)
 
 
@@ -34,7 +35,7 @@ CUDA = torch.device("cuda", 0)
 def nccl_group():
     """A one-rank NCCL group (Megatron needs a group; the bridge then runs no collective)."""
     torch.cuda.set_device(CUDA)
-    with S.one_rank_group("nccl", timeout_s=120) as group:
+    with one_rank_group("nccl", timeout_s=120) as group:
         yield group
 
 
@@ -362,5 +363,5 @@ print(len(jax.devices("cuda")), pool, s.get("bytes_limit", 0))
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_vocab_parallel_nccl(tmp_path):
-    failures = S.spawn(2, str(tmp_path), "nccl", full=True)
+    failures = spawn(2, str(tmp_path), "nccl", full=True)
     assert not failures, "\n".join(failures)

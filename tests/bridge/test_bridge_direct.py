@@ -4,7 +4,7 @@ launched from torch without the JAX runtime (skipped without a Hopper-class GPU)
 Against the float64 reference at the shapes and flags users run, varying T (row
 windows), int64 and out-of-range targets, a side stream, no host synchronisation, and
 a bounded number of compiled kernels. The kernels' numerics are also checked on CPU,
-in Mosaic GPU's interpret mode (tests/test_mosaic_direct.py).
+in Mosaic GPU's interpret mode (tests/jaxops/test_mosaic_direct.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The direct route's plumbing on CPU (`bridge/_direct.py`). The launches need a Hopper
-GPU (tests/test_bridge_direct.py); here fake launchers stand in:
+GPU (tests/bridge/test_bridge_direct.py); here fake launchers stand in:
 - one traces each kernel: every launch hands over as many 16-byte-aligned buffers as
   its kernel declares, with the shapes and dtypes it is traced for, in every
   configuration (mask, entropy, flags, several row windows, the target gathered by

@@ -1,85 +1,27 @@
 """Tests of `bridge.linear_logprob_entropy` (the output layer fused into the bridge's op):
 values and gradients to hidden and weight against a float64 torch reference, every flag,
 T = 0 / 1 / not a power of two, row windows (overlapping ones included), bounded
-compiles, bad calls, zero copy, TP = 1 and 2 (spawned gloo ranks), and one CUDA size.
+compiles, zero copy, TP = 1 and 2 (spawned gloo ranks), and one CUDA size.
+Bad calls: test_bridge_linear_bad_calls.py; the fused Mosaic GPU kernels (interpret
+mode): test_bridge_linear_fused.py.
 """
 
 from __future__ import annotations
 
-import math
 import zlib
 
 import pytest
 import torch
 
 import bridge
-from bridge import _dlpack, _jaxfns, _linear_jaxfns
+from bridge import _dlpack, _jaxfns
 from bridge import _linear_run
 
+from _bridge_linear_cases import check, make
 import _bridge_linear_worker as W
 import _bridge_scenarios as S
-from _linear_cases import record_fused_traces
-from _oracle import VALUE_RTOL, grad_rtol
-
-CPU = torch.device("cpu")
-
-
-def make(T, H, V, dtype=torch.float32, *, masked=False, seed=0, device=CPU, scale=1.0):
-    gen = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(T, H, generator=gen).to(dtype)
-    weight = (torch.randn(V, H, generator=gen) * scale / math.sqrt(H) * 3).to(dtype)
-    y = torch.randint(0, V, (T,), generator=gen)
-    mask = (torch.rand(T, V, generator=gen) < 0.4) if masked else None
-    if masked and T > 2:
-        mask[1] = False  # only the target counts: log_prob = 0
-        mask[2, y[2]] = False  # the target counts with its bit off
-    g_lp, g_h = torch.randn(T, generator=gen), torch.randn(T, generator=gen)
-    mv = lambda t: None if t is None else t.to(device)  # noqa: E731
-    return tuple(mv(t) for t in (hidden, weight, y, mask, g_lp, g_h))
-
-
-def check(hidden, weight, y, mask, g_lp, g_h, *, temperature=1.0, with_entropy=True,
-          entropy_grad=True, chunk_size=None, implementation=None, grad_slack=1.0, **kw):
-    """One call against the float64 reference: values, dtypes, d hidden and d weight
-    (for the combined cotangent and, with an entropy gradient, the log-prob alone)."""
-    dtype = hidden.dtype
-    h_in = hidden.clone().requires_grad_()
-    w_in = weight.clone().requires_grad_()
-    lp, ent = bridge.linear_logprob_entropy(
-        h_in, w_in, y, keep_mask=mask, temperature=temperature, with_entropy=with_entropy,
-        entropy_grad=entropy_grad, chunk_size=chunk_size, implementation=implementation, **kw)
-    hr = hidden.double().requires_grad_()
-    wr = weight.double().requires_grad_()
-    lp_r, ent_r = W.reference(hr, wr, y, mask, temperature)
-    x_max = float((hidden.double() @ weight.double().T).abs().max()) / temperature
-    atol = VALUE_RTOL * max(1.0, x_max)
-    T = hidden.shape[0]
-    assert lp.dtype == torch.float32 and lp.shape == (T,)
-    assert float((lp.double() - lp_r).abs().max()) <= atol
-    if with_entropy:
-        assert ent.dtype == torch.float32 and ent.shape == (T,)
-        assert float((ent.double() - ent_r).abs().max()) <= atol
-        assert ent.requires_grad == entropy_grad
-    else:
-        assert ent is None
-    tol = grad_rtol(dtype, x_max) * grad_slack
-    cases = [([lp], [g_lp], [lp_r])]
-    if with_entropy and entropy_grad:
-        cases.append(([lp, ent], [g_lp, g_h], [lp_r, ent_r]))
-    for outs, cots, refs in cases:
-        dh, dw = torch.autograd.grad(outs, [h_in, w_in], cots, retain_graph=True)
-        dh_r, dw_r = torch.autograd.grad(refs, [hr, wr], [c.double() for c in cots],
-                                         retain_graph=True)
-        assert dh.dtype == dtype and dw.dtype == dtype
-        assert S.rel_err(dh, dh_r) <= tol, f"d hidden: {S.rel_err(dh, dh_r):.3g} > {tol:.3g}"
-        assert S.rel_err(dw, dw_r) <= tol, f"d weight: {S.rel_err(dw, dw_r):.3g} > {tol:.3g}"
-    if with_entropy and not entropy_grad:
-        # using the forward-only entropy in a loss changes no gradient
-        a = torch.autograd.grad((lp * g_lp).sum() + (ent * g_h).sum(), [h_in, w_in],
-                                retain_graph=True)
-        b = torch.autograd.grad((lp * g_lp).sum(), [h_in, w_in])
-        assert all(torch.equal(u, v) for u, v in zip(a, b))
-    return lp, ent
+from _bridge_spawn import one_rank_group
+from _oracle import grad_rtol
 
 
 # ---------------------------------------------------------------------------
@@ -205,7 +147,7 @@ def test_process_group_of_one_equals_none():
     the fused kernels."""
     cases = [(make(7, 8, 12, masked=True, seed=7), None),
              (make(16, 64, 48, torch.bfloat16, seed=8), "pallas_mosaic")]
-    with S.one_rank_group("gloo", timeout_s=60) as pg:
+    with one_rank_group("gloo", timeout_s=60) as pg:
         for (hidden, weight, y, mask, g_lp, g_h), implementation in cases:
             for reduce in (False, True):
                 results = []
@@ -290,86 +232,6 @@ def test_zero_copy_of_hidden_and_weight(monkeypatch):
 
 
 # ---------------------------------------------------------------------------
-# bad calls: a clear TypeError / ValueError before any kernel runs
-# ---------------------------------------------------------------------------
-
-@pytest.fixture
-def no_kernels(monkeypatch):
-    def refuse(**_):
-        raise AssertionError("a kernel was launched before the error")
-
-    for name in ("local_forward", "local_backward", "zero_accumulator"):
-        monkeypatch.setattr(_linear_jaxfns, name, refuse)
-
-
-def _bad_calls():
-    hidden, weight, y, mask, *_ = make(4, 6, 12, masked=True)
-    big = torch.randn(5, 12)  # 48-byte rows: big[1:] is not 64-byte aligned
-    cases = [
-        ("hidden not a tensor", TypeError, "hidden must be a torch.Tensor",
-         dict(hidden=hidden.numpy())),
-        ("weight not a tensor", TypeError, "weight must be a torch.Tensor",
-         dict(weight=[[1.0]])),
-        ("hidden 3-D", ValueError, r"\[T, H\]", dict(hidden=hidden[None])),
-        ("weight 1-D", ValueError, r"\[V_loc, H\]", dict(weight=weight[0])),
-        ("H disagrees", ValueError, "H must agree", dict(weight=torch.randn(12, 5))),
-        ("hidden integer", TypeError, "float32, bfloat16 or float16",
-         dict(hidden=hidden.long(), weight=weight.long())),
-        ("hidden float64", TypeError, "float32, bfloat16 or float16",
-         dict(hidden=hidden.double(), weight=weight.double())),
-        ("dtypes differ", TypeError, "same dtype", dict(weight=weight.bfloat16())),
-        ("targets float", TypeError, "integer token ids", dict(targets=y.float())),
-        ("targets wrong length", ValueError, r"shape \[T\] = \[4\]", dict(targets=y[:3])),
-        ("targets on another device", ValueError, "targets is on",
-         dict(targets=y.to("meta"))),
-        ("weight on another device", ValueError, "weight is on",
-         dict(weight=weight.to("meta"))),
-        ("mask not bool", TypeError, "keep_mask must be a bool", dict(keep_mask=mask.int())),
-        ("mask wrong shape", ValueError, r"\[T, V_loc\] = \[4, 12\]",
-         dict(keep_mask=mask[:, :5])),
-        ("temperature 0", ValueError, "temperature", dict(temperature=0.0)),
-        ("temperature nan", ValueError, "temperature", dict(temperature=math.nan)),
-        ("temperature tensor", TypeError, "temperature", dict(temperature=torch.tensor(1.0))),
-        ("with_entropy not bool", TypeError, "with_entropy", dict(with_entropy=1)),
-        ("entropy_grad not bool", TypeError, "entropy_grad", dict(entropy_grad=None)),
-        ("reduce_hidden_grad not bool", TypeError, "reduce_hidden_grad",
-         dict(reduce_hidden_grad="yes")),
-        ("chunk_size 0", ValueError, "chunk_size", dict(chunk_size=0)),
-        ("chunk_size float", ValueError, "chunk_size", dict(chunk_size=2.0)),
-        ("chunk_size bool", ValueError, "chunk_size", dict(chunk_size=True)),
-        ("bad implementation", ValueError, "implementation", dict(implementation="cuda")),
-        ("bad process_group", TypeError, "process_group", dict(process_group="tp")),
-        ("hidden transposed", ValueError, "hidden must be contiguous",
-         dict(hidden=torch.randn(6, 4).t())),
-        ("weight transposed", ValueError, "weight must be contiguous",
-         dict(weight=torch.randn(6, 12).t())),
-        ("weight misaligned", ValueError, "aligned.*does not copy",
-         dict(weight=big[1:], hidden=torch.randn(4, 12), keep_mask=None)),
-        ("out-of-range target", ValueError, r"\[0, 12\)",
-         dict(targets=torch.tensor([0, 1, 12, 3]), check_targets=True)),
-    ]
-    return [pytest.param(expected, pattern,
-                         dict(dict(hidden=hidden, weight=weight, targets=y), **kw), id=name)
-            for name, expected, pattern, kw in cases]
-
-
-@pytest.mark.parametrize("expected, pattern, kwargs", _bad_calls())
-def test_bad_calls(expected, pattern, kwargs, no_kernels):
-    hidden, weight, targets = (kwargs.pop(k) for k in ("hidden", "weight", "targets"))
-    with pytest.raises(expected, match=pattern):
-        bridge.linear_logprob_entropy(hidden, weight, targets, **kwargs)
-
-
-def test_out_of_range_target_is_nan_by_default():
-    hidden, weight, y, *_ = make(5, 8, 11, seed=10)
-    good, _ = bridge.linear_logprob_entropy(hidden, weight, y)
-    y[3] = 11
-    lp, ent = bridge.linear_logprob_entropy(hidden, weight, y)
-    assert torch.isnan(lp[3]) and torch.equal(lp[[0, 1, 2, 4]], good[[0, 1, 2, 4]])
-    assert torch.isfinite(ent).all()
-
-
-# ---------------------------------------------------------------------------
 # vocab parallel: spawned gloo ranks
 # ---------------------------------------------------------------------------
 
@@ -435,66 +297,3 @@ def test_plan_picks_the_backend_for_the_chunks(backend_choices):
         _linear_run.Plan(hidden, weight, y, None, "", chunk_size)
         assert (backend_choices[-1]["num_vocab"], backend_choices[-1]["itemsize"]) == (
             width, 4)
-
-
-@pytest.fixture
-def fused_traces(monkeypatch):
-    """The fused kernels' traces, (kernel, hidden shape, weight shape) each
-    (`_linear_cases.record_fused_traces`), with the bridge's caches of traced functions
-    cleared before and after, so that they trace afresh with the recording kernels."""
-    _linear_jaxfns.local_forward.cache_clear()
-    _linear_jaxfns.local_backward.cache_clear()
-    yield record_fused_traces(monkeypatch.setattr)
-    _linear_jaxfns.local_forward.cache_clear()
-    _linear_jaxfns.local_backward.cache_clear()
-
-
-def test_fused_forward_in_interpret_mode(fused_traces):
-    """"pallas_mosaic" runs each window's forward as the fused kernel and its backward's
-    d logits with the recomputing one (`mosaic/linear.py`, Mosaic GPU's interpreter here)
-    where their shapes allow, as the JAX op does: values and gradients against float64,
-    and the kernels traced once per window size (and chunk)."""
-    check(*make(16, 64, 200, torch.bfloat16, seed=3), temperature=0.8, chunk_size=64,
-          implementation="pallas_mosaic")
-    # one window of 16 rows; the backward: the 64-column chunks' scan body and the tail,
-    # traced for each of `check`'s two cotangents (log-prob alone: no entropy term)
-    assert sorted(fused_traces) == [("backward_logits", (16, 64), (8, 64))] * 2 + [
-        ("backward_logits", (16, 64), (64, 64))] * 2 + [
-        ("forward_stats", (16, 64), (200, 64))], fused_traces
-    fused_traces.clear()  # a mask with V_loc % 16 != 0 keeps the chunked forward and backward
-    check(*make(16, 64, 200, torch.bfloat16, masked=True, seed=4), chunk_size=64,
-          implementation="pallas_mosaic")
-    assert fused_traces == []
-    # chunks that are not a multiple of 8 columns keep the chunked backward
-    check(*make(16, 64, 80, torch.bfloat16, seed=5), chunk_size=20,
-          implementation="pallas_mosaic")
-    assert fused_traces == [("forward_stats", (16, 64), (80, 64))]
-
-
-def test_fused_kernels_with_mask(fused_traces):
-    """A bool torch mask goes to both fused kernels (`mosaic.linear.MASKED`, on by
-    default)."""
-    check(*make(16, 64, 80, torch.bfloat16, masked=True, seed=10), temperature=0.9,
-          chunk_size=32, implementation="pallas_mosaic")
-    # the backward's 32-column scan body and 16-column tail, for `check`'s two cotangents
-    assert sorted(fused_traces) == sorted(
-        [("forward_stats", (16, 64), (80, 64))]
-        + [("backward_logits", (16, 64), (cols, 64)) for cols in (32, 16)] * 2)
-
-
-@pytest.mark.parametrize("dtype,with_entropy,entropy_grad", [
-    (torch.bfloat16, True, True), (torch.float16, True, False), (torch.float16, False, False)])
-def test_fused_kernels_over_two_windows(dtype, with_entropy, entropy_grad, fused_traces):
-    """T = 24: windows of 16 and 8 rows, each through both fused kernels, d weight summed
-    over the windows (the accumulating path of `chunked_backward` with the fused d
-    logits), for each entropy mode and fp16; against float64, every trace counted."""
-    check(*make(24, 64, 80, dtype, seed=9), temperature=1.2, chunk_size=32,
-          with_entropy=with_entropy, entropy_grad=entropy_grad,
-          implementation="pallas_mosaic")
-    # per window: the forward; the backward's 32-column scan body and 16-column tail,
-    # for each of `check`'s cotangents (two with the entropy's gradient)
-    backwards = 2 if with_entropy and entropy_grad else 1
-    want = sorted([("forward_stats", (rows, 64), (80, 64)) for rows in (16, 8)]
-                  + [("backward_logits", (rows, 64), (cols, 64))
-                     for rows in (16, 8) for cols in (32, 16)] * backwards)
-    assert sorted(fused_traces) == want, fused_traces

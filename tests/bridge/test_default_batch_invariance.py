@@ -30,7 +30,7 @@ from bridge import op as bridge_op  # noqa: E402
 from bridge.slime import calculate_log_probs_and_entropy  # noqa: E402
 
 # 1.0: the slime drop-in takes logits already divided by the temperature, so it is
-# compared at 1.0 (tests/test_batch_invariance.py covers a temperature per backend).
+# compared at 1.0 (tests/jaxops/test_batch_invariance.py covers a temperature per backend).
 TAU = 1.0
 BATCHES = tuple(int(t) for t in os.environ.get(
     "JAXOPS_PROMISE_T", "1,7,100,1000,8191,8192,8193").split(","))

@@ -1,7 +1,7 @@
 """Vocab-parallel checks of `jaxops.linear_logprob_entropy`, run in a subprocess by
-tests/test_linear_head.py:
+tests/jaxops/test_linear_head.py:
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/_linear_head_worker.py
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python tests/jaxops/_linear_head_worker.py
 
 Each shard holds rows `[i * V_loc, (i + 1) * V_loc)` of the weight (and the matching
 mask columns); hidden and targets are replicated (`P()`). Values and the gradients to
@@ -28,8 +28,9 @@ if "--xla_backend_optimization_level" not in _flags:
 os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]
+HERE = os.path.dirname(os.path.abspath(__file__))  # tests/jaxops
+TESTS = os.path.dirname(HERE)
+sys.path[:0] = [os.path.dirname(TESTS), TESTS, HERE]  # the repo, shared helpers, this folder
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

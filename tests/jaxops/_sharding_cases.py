@@ -1,8 +1,8 @@
 """Shared pieces of the vocab-parallel tests: configurations, scenarios, the ways
 a JAX user shards, comparisons, and an HLO collective counter.
 
-No side effects at import: used by tests/_sharding_worker.py (fake CPU devices,
-in a subprocess) and tests/test_sharding_gpu.py (real GPUs).
+No side effects at import: used by tests/jaxops/_sharding_worker.py (fake CPU devices,
+in a subprocess) and tests/jaxops/test_sharding_gpu.py (real GPUs).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Multi-device checks behind tests/test_sharding.py, run in a subprocess.
+"""Multi-device checks behind tests/jaxops/test_sharding.py, run in a subprocess.
 
-    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/_sharding_worker.py PART
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/jaxops/_sharding_worker.py PART
 
 The flag fakes 8 CPU devices; it must be set before JAX starts, which is why
 these checks run in their own process. A failing check raises AssertionError
@@ -33,8 +33,9 @@ if "--xla_backend_optimization_level" not in _flags:
 os.environ["XLA_FLAGS"] = _flags.strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:0] = [os.path.dirname(HERE), HERE]
+HERE = os.path.dirname(os.path.abspath(__file__))  # tests/jaxops
+TESTS = os.path.dirname(HERE)
+sys.path[:0] = [os.path.dirname(TESTS), TESTS, HERE]  # the repo, shared helpers, this folder
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -27,9 +27,9 @@ from hypothesis import strategies as st
 from jaxops.backends.triton import kernels as triton_kernels
 from jaxops.contract import BackwardCoefs
 
-from test_logprob_entropy import (  # one float64 oracle and tolerance table for all tests
-    BF16, F32, assert_grad_close, assert_values_close, op_with_vjp_jit, reference64,
-    to_float64, value_bound)
+from _logprob_cases import BF16, F32, op_with_vjp_jit
+from _oracle import (  # one float64 oracle and tolerance table for all tests
+    assert_grad_close, assert_values_close, reference64, to_float64, value_bound)
 
 LARGE_T, LARGE_V = 16_384, 151_936  # T * V = 2.49e9 > 2**31
 # First, middle, last, and around 2**31 / V = 14,134.4 where 32-bit mask offsets wrap.

@@ -25,7 +25,7 @@ from jaxops.backends import registry
 from jaxops.backends.mosaic import mask_view
 from jaxops.contract import BackwardCoefs
 
-from test_mosaic import _inputs as mosaic_inputs  # logits, targets, a "mixed" keep mask
+from _mosaic_cases import inputs as mosaic_inputs  # logits, targets, a "mixed" keep mask
 
 mosaic_kernels = pytest.importorskip("jaxops.backends.mosaic.kernels")
 

@@ -2,7 +2,7 @@
 mode against the float64 reference (forward outputs and the gradient for every flag),
 and their CUDA lowering at production sizes, in the one-kernel form that
 `plgpu.as_torch_kernel` accepts. On the GPU they run through the bridge
-(tests/test_bridge_direct.py)."""
+(tests/bridge/test_bridge_direct.py)."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from hypothesis import strategies as st
 
 from jaxops.backends.mosaic.config import MosaicConfig
 
+from _mosaic_cases import BF16, F32
+from _mosaic_cases import inputs as mosaic_inputs  # logits, targets, a keep mask
 from _oracle import assert_op_close, reference64
-from test_mosaic import BF16, F32, _inputs
 
 md = pytest.importorskip("jaxops.backends.mosaic.direct")
 from jaxops.backends.mosaic import direct_rows  # noqa: E402
@@ -57,8 +58,8 @@ CASES = [  # (T, V_loc, dtype, mask, entropy, tau, which cotangents, target gath
                          f"{'-gathered' if c[7] else ''}")
 def test_direct_kernels_match_float64(case):
     num_tokens, num_vocab, dtype, mask_kind, with_entropy, tau, cots, gathered = case
-    logits, targets, mask = _inputs(num_tokens * 7 + num_vocab, num_tokens, num_vocab,
-                                    dtype, mask_kind)
+    logits, targets, mask = mosaic_inputs(num_tokens * 7 + num_vocab, num_tokens, num_vocab,
+                                          dtype, mask_kind)
     targets = targets.astype(jnp.int32)
     log_prob, entropy, saved = direct_rows.logprob_entropy_rows(
         logits, targets, mask, inv_tau=1 / tau, with_entropy=with_entropy,
@@ -83,7 +84,7 @@ def test_direct_kernels_match_float64(case):
 def test_single_kernel_forward_equals_two_kernels_bitwise(dtype, mask_kind, with_entropy):
     """`forward_kernel` runs `finish`'s arithmetic inside the partials kernel: the same
     outputs and saved multipliers, bit for bit (interpret mode)."""
-    logits, targets, mask = _inputs(11, 70, 512, dtype, mask_kind)
+    logits, targets, mask = mosaic_inputs(11, 70, 512, dtype, mask_kind)
     targets = targets.astype(jnp.int32).at[3].set(-1).at[4].set(512)  # invalid rows too
     assert md.one_pass(512, dtype, mask is not None, INTERPRET)
     kw = dict(inv_tau=1 / 0.7, with_entropy=with_entropy, config=INTERPRET)
@@ -98,7 +99,7 @@ def test_single_kernel_forward_equals_two_kernels_bitwise(dtype, mask_kind, with
 
 @needs_input_stores
 def test_entropy_grad_off_ignores_d_entropy():
-    logits, targets, _ = _inputs(1, 40, 512, F32, None)
+    logits, targets, _ = mosaic_inputs(1, 40, 512, F32, None)
     targets = targets.astype(jnp.int32)
     _, _, saved = direct_rows.logprob_entropy_rows(logits, targets, None, config=INTERPRET)
     g = jnp.ones((40,))
@@ -117,7 +118,7 @@ def test_wide_targets_equal_int32_ids_bitwise(form, mask_kind):
     the ids clamped to [-1, V] as int32, bit for bit; ids whose high word is not 0 are
     out of range even where their low word is a valid id (2**32 + 3 is not 3)."""
     num_tokens, num_vocab = 70, 512
-    logits, targets, mask = _inputs(5, num_tokens, num_vocab, F32, mask_kind)
+    logits, targets, mask = mosaic_inputs(5, num_tokens, num_vocab, F32, mask_kind)
     ids = np.asarray(targets).astype(np.int64)
     ids[:9] = [num_vocab, -1, -100, 2**32 + 3, 2**31 + 5, -(2**40), 2**40 + 7, -(2**32) + 9,
                num_vocab - 1]
@@ -139,7 +140,7 @@ def test_wide_targets_equal_int32_ids_bitwise(form, mask_kind):
 
 @needs_input_stores
 def test_out_of_range_targets_give_nan():
-    logits, _, _ = _inputs(2, 4, 512, F32, None)
+    logits, _, _ = mosaic_inputs(2, 4, 512, F32, None)
     targets = jnp.array([0, -1, 512, 511], jnp.int32)
     log_prob, entropy, _ = direct_rows.logprob_entropy_rows(logits, targets, config=INTERPRET)
     np.testing.assert_array_equal(np.isnan(np.asarray(log_prob)), [False, True, True, False])

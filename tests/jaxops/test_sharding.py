@@ -1,7 +1,7 @@
 """Vocab-parallel op on CPU: 1 to 8 fake devices, every sharding mode, collectives.
 
 The multi-device checks need `XLA_FLAGS=--xla_force_host_platform_device_count=8`
-before JAX starts, so they run in subprocesses (tests/_sharding_worker.py, and
+before JAX starts, so they run in subprocesses (tests/jaxops/_sharding_worker.py, and
 examples/multihost.py as two cooperating processes); this process's JAX is
 left alone. The subprocesses start together when the first of these tests runs,
 as many at a time as there are CPU cores, and each test waits for its own.
@@ -26,8 +26,8 @@ from jax.sharding import PartitionSpec as P
 import jaxops
 from jaxops.contract import varying_axes, varying_struct
 
-ROOT = Path(__file__).resolve().parents[1]
-WORKER = ROOT / "tests" / "_sharding_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
+WORKER = Path(__file__).with_name("_sharding_worker.py")
 EXAMPLE = ROOT / "examples" / "multihost.py"
 WORKER_PARTS = ("matrix-pallas", "extra", "matrix-xla", "hlo")  # longest first
 TIMEOUT_S = 1200

@@ -7,7 +7,7 @@
 - Two or more GPUs: the same on 2, 4 and 8 shards as far as the machine has
   GPUs, plus the collectives in the compiled forward and gradient.
 
-    PYTHONPATH=. python3 -m pytest -q tests/test_sharding_gpu.py
+    PYTHONPATH=. python3 -m pytest -q tests/jaxops/test_sharding_gpu.py
 """
 
 from __future__ import annotations

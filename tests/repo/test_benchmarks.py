@@ -21,7 +21,7 @@ import pytest
 
 from benchmarks import bench, cases, harness, report, tables  # stdlib-only at import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BENCH_DIR = os.path.join(REPO, "benchmarks")
 ENTRY_SCRIPTS = ("bench", "report", "plot", "bridge_overhead", "linear_head",
                  "plot_linear_head", "tools/tune", "tools/profile_kernels", "tools/gpu_smoke",

@@ -17,7 +17,7 @@ import pathlib
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 PROJECT = ("bridge", "jaxops")  # the packages whose private names are guarded
 SCANNED = ("bridge", "examples", "benchmarks")
 

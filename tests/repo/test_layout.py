@@ -1,8 +1,8 @@
 """The house rules of jaxops/ and bridge/: every module imports on its own (no hidden
 import-order or cycle dependence), in a fresh interpreter with the CPU backend; no file
 over 450 lines (benchmarks/ and benchmarks/tools/ too); no module of jaxops/ uses another
-module's underscore-prefixed names (bridge/: tests/test_bridge_layout.py); `import jaxops`
-loads no Pallas lowering."""
+module's underscore-prefixed names (bridge/: tests/repo/test_bridge_layout.py);
+`import jaxops` loads no Pallas lowering."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pathlib
 import subprocess
 import sys
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODULES = sorted(
     ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
     for package in ("jaxops", "bridge") for p in (ROOT / package).rglob("*.py"))

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 CONSTANT_LIMIT = 4096  # bytes of captured constants allowed per program
 HLO_TEXT_LIMIT = 1 << 20  # bytes of HLO text per program at the GPU size
 GPU_T, GPU_V = 8192, 151_936

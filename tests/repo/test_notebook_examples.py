@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 NOTEBOOK = REPO / "notebooks" / "precision.ipynb"
 
 

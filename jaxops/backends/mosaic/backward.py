@@ -26,7 +26,7 @@ from jaxops.contract import NEG, BackwardCoefs, vary_like, varying_struct
 
 # Whether `can_write_into` offers `backward_logits(into=)` to callers (the bridge's route
 # through JAX: the gradient stored straight into torch's buffer). The stored bytes equal
-# the allocated gradient's on the GPU (tests/test_mosaic.py::
+# the allocated gradient's on the GPU (tests/jaxops/test_mosaic_gpu.py::
 # test_gpu_write_through_matches_the_allocated_gradient; docs/bridge.md). False: JAX
 # allocates the gradient and torch takes it over (a copy where a call spans windows).
 IN_PLACE_GRADIENT = True

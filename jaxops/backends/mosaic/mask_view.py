@@ -27,7 +27,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import batching, mlir
 
 # Whether the Mosaic kernels take bool masks through `bytes_view` (`common.mask_bytes`)
-# and "pallas" routes bool masks to them (`registry.pallas_backend`). Checked on the GPU (tests/test_mask_view.py, `gpu` marker); False
+# and "pallas" routes bool masks to them (`registry.pallas_backend`). Checked on the GPU (tests/jaxops/test_mask_view.py, `gpu` marker); False
 # gives the XLA conversion to uint8 before each kernel (a pass over the mask). Read when
 # a kernel call is traced: set it before a jitted function's first call (jit keeps the
 # trace it made).

@@ -23,8 +23,8 @@ step() {  # step NAME SECONDS CMD...
 }
 results=benchmarks/results/h200.json
 nvidia-smi --query-gpu=name,memory.used,memory.total,clocks.sm --format=csv,noheader
-step core_tests ${CORE_S:-110} python3 -m pytest -q -p no:cacheprovider tests/test_logprob_entropy.py ${CORE_K:+-k "$CORE_K"}
-step gpu_tests ${GPU_S:-75} python3 -m pytest -q -p no:cacheprovider tests/test_sharding_gpu.py tests/test_bridge_cuda.py
+step core_tests ${CORE_S:-110} python3 -m pytest -q -p no:cacheprovider tests/jaxops/test_logprob_*.py ${CORE_K:+-k "$CORE_K"}
+step gpu_tests ${GPU_S:-75} python3 -m pytest -q -p no:cacheprovider tests/jaxops/test_sharding_gpu.py tests/bridge/test_bridge_cuda.py
 step bench_mask ${MASK_S:-100} python3 -m benchmarks.bench --device-name h200 --quick --append \
     --filter T=8192 --filter V=151936 --filter mask=True \
     --filter impl=jaxops-pallas,jaxops-xla,bridge,jax-jit,torch-eager --out $results

@@ -1,8 +1,8 @@
 """The house rules of jaxops/ and bridge/: every module imports on its own (no hidden
 import-order or cycle dependence), in a fresh interpreter with the CPU backend; no file
-over 450 lines (benchmarks/ and benchmarks/tools/ too); no module of jaxops/ uses another
-module's underscore-prefixed names (bridge/: tests/repo/test_bridge_layout.py);
-`import jaxops` loads no Pallas lowering."""
+over 450 lines (benchmarks/, benchmarks/tools/, every file of tests/ and examples/ too); no
+module of jaxops/ uses another module's underscore-prefixed names (bridge/:
+tests/repo/test_bridge_layout.py); `import jaxops` loads no Pallas lowering."""
 
 from __future__ import annotations
 
@@ -17,10 +17,12 @@ MODULES = sorted(
     ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
     for package in ("jaxops", "bridge") for p in (ROOT / package).rglob("*.py"))
 MAX_LINES = 450
-# The line limit covers the benchmark scripts and their developer tools as well.
+# The line limit covers the benchmark scripts and their developer tools, the tests (every
+# folder of tests/) and the examples as well.
 LINE_LIMITED = sorted(
-    [p for package in ("jaxops", "bridge") for p in (ROOT / package).rglob("*.py")]
-    + [*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "benchmarks" / "tools").glob("*.py")])
+    [p for folder in ("jaxops", "bridge", "tests") for p in (ROOT / folder).rglob("*.py")]
+    + [*(ROOT / "benchmarks").glob("*.py"), *(ROOT / "benchmarks" / "tools").glob("*.py"),
+       *(ROOT / "examples").glob("*.py")])
 
 _CODE = """
 import importlib, sys, traceback
@@ -47,7 +49,8 @@ def test_every_module_imports_alone():
 
 
 def test_no_file_over_the_line_limit():
-    assert {p.parent.name for p in LINE_LIMITED} >= {"jaxops", "bridge", "benchmarks", "tools"}
+    assert {p.parent.name for p in LINE_LIMITED} >= {"jaxops", "bridge", "benchmarks", "tools",
+                                                     "tests", "repo", "examples"}
     long = {str(p.relative_to(ROOT)): n for p in LINE_LIMITED
             if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, long

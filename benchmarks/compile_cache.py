@@ -10,7 +10,8 @@ process three times, with `JAXOPS_CACHE_DIR` (docs/compilation.md) in a temporar
   warm    the same folder again, as a restarted run: programs come from the cache;
   warmup  another empty folder, `bridge.warmup(max_tokens, ...)` first, then the loop;
   warmup_warm  the same again with that folder: the warm-up loads every program.
-(`--runs` picks some of them; `--threads N` warms N window sizes at once.)
+(`--runs` picks some of them -- without warmup, warmup_warm takes the cold run's folder;
+`--threads N` warms N window sizes at once.)
 For each: process wall time, import time, the loop's time (the first pass: the sum of
 the calls' times, each device-synchronised), programs compiled
 (`bridge.compiled_programs()`), JAX's compile-time events and cache hits/misses, the
@@ -215,8 +216,11 @@ def main(argv=None):
     try:
         runs = {}
         wanted = args.runs.split(",")
+        # warmup_warm warms up with a warm cache: warmup's folder, else the cold run's.
+        warm_folder = "b" if "warmup" in wanted else "a"
         for label, mode, folder in (("cold", "cold", "a"), ("warm", "warm", "a"),
-                                    ("warmup", "warmup", "b"), ("warmup_warm", "warmup", "b")):
+                                    ("warmup", "warmup", "b"),
+                                    ("warmup_warm", "warmup", warm_folder)):
             if label not in wanted:
                 continue
             runs[label] = _run_child(args, mode, os.path.join(tmp, folder))

@@ -197,6 +197,29 @@ def test_direct_varying_t_bounded_compiles(direct_calls):
     assert len(direct_calls) == len(sizes)
 
 
+def test_direct_warmup_with_threads_builds_every_kernel(direct_calls):
+    # Kernels built by several threads at once (bridge/_launch.py's per-kernel locks)
+    # must be the ones later calls use.
+    V, tau = 1536, 0.9375  # a configuration no other test compiles
+    x, y, _, g_lp, g_h = _inputs(300, V, torch.bfloat16, False, seed=11)
+
+    def call():
+        xg = x.detach().requires_grad_()
+        lp, h = bridge.logprob_entropy(xg, y, temperature=tau, implementation="pallas_mosaic")
+        (grad,) = torch.autograd.grad([lp, h], xg, [g_lp, g_h])
+        return lp, h, grad
+
+    report = bridge.warmup(512, V, temperature=tau, implementation="pallas_mosaic",
+                           progress=False, threads=8)
+    assert report.programs > 0 and len(direct_calls) == len(report.windows)
+    before = _jaxfns.compiled_programs()
+    first = call()
+    assert _jaxfns.compiled_programs() == before  # nothing left to build
+    assert len(direct_calls) == len(report.windows) + 1
+    for a, b in zip(first, call()):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("masked", [False, True], ids=["nomask", "mask"])
 def test_direct_with_the_target_gathered_by_torch(masked, monkeypatch, direct_calls):
     """Large calls gather the target's logit with torch (GATHER_TARGET_FROM); forced

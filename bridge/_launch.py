@@ -65,9 +65,6 @@ class Launcher:
     def __init__(self, kernel, structs, device):
         from jax.experimental.mosaic.gpu import core as mgpu_core
 
-        # The lowered module from the persistent cache (`cache.py`) where it has one,
-        # which skips JAX's tracing and lowering (Mosaic's compile to a cubin still runs).
-        # A kernel never passed to `register_kernel` is not cached.
         def compile_module(asm):
             t0 = time.perf_counter()
             try:
@@ -75,6 +72,9 @@ class Launcher:
             finally:
                 _add_build_time("compile", time.perf_counter() - t0)
 
+        # The lowered module from the persistent cache (`cache.py`) where it has one,
+        # which skips JAX's tracing and lowering (Mosaic's compile to a cubin still runs).
+        # A kernel never passed to `register_kernel` is not cached.
         config = _KERNEL_KEYS.get(kernel)
         key = _cache.kernel_key(config, structs, device) if config else None
         entry = _cache.load_kernel(key) if key else None
@@ -173,5 +173,3 @@ def struct(shape, dtype):
     import jax
 
     return jax.ShapeDtypeStruct(tuple(shape), dtype)
-
-

@@ -20,6 +20,7 @@ import math
 import os
 import subprocess
 import time
+import traceback
 
 HERE = os.path.dirname(os.path.abspath(__file__))  # benchmarks/
 REPO = os.path.dirname(HERE)
@@ -158,6 +159,24 @@ def is_oom(exc):
 def short_error(exc, limit=300):
     text = f"{type(exc).__name__}: {exc}".strip().replace("\n", " ")
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def run_phase(row, phase, body, cleanup):
+    """Run one timed phase, recording "ok", "OOM" or the error in `row[phase_status]`
+    instead of raising. `cleanup` runs after the except block on failure: until that
+    block ends, the traceback's frames (holding the phase's outputs) are alive."""
+    try:
+        body()
+        row[f"{phase}_status"] = "ok"
+        return
+    except Exception as exc:
+        if is_oom(exc):
+            row[f"{phase}_status"] = "OOM"
+        else:
+            traceback.print_exc()
+            row[f"{phase}_status"] = f"error: {short_error(exc)}"
+        del exc
+    cleanup()
 
 
 # ---------------------------------------------------------------------------- CLI

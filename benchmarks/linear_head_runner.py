@@ -154,20 +154,8 @@ class Run:
         return row
 
     def phase(self, row, phase, fn, args, side):
-        try:
-            if side == "jax":
-                self.jax_phase(row, phase, fn, args)
-            else:
-                self.torch_phase(row, phase, fn, args)
-            row[f"{phase}_status"] = "ok"
-        except Exception as exc:
-            if harness.is_oom(exc):
-                row[f"{phase}_status"] = "OOM"
-            else:
-                traceback.print_exc()
-                row[f"{phase}_status"] = f"error: {harness.short_error(exc)}"
-            del exc
-            self.cleanup()
+        timed = self.jax_phase if side == "jax" else self.torch_phase
+        harness.run_phase(row, phase, lambda: timed(row, phase, fn, args), self.cleanup)
 
     def jax_phase(self, row, phase, fn, args):
         jax = self.jax

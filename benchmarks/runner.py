@@ -195,21 +195,7 @@ class Bench:
         return row
 
     def _phase(self, row, phase, body):
-        """Run one phase, recording OOM / errors in the row instead of raising. The cleanup
-        runs after the except block: until it ends, the traceback's frames (holding that
-        phase's outputs) are alive."""
-        try:
-            body()
-            row[f"{phase}_status"] = "ok"
-            return
-        except Exception as exc:
-            if is_oom(exc):
-                row[f"{phase}_status"] = "OOM"
-            else:
-                traceback.print_exc()
-                row[f"{phase}_status"] = f"error: {short_error(exc)}"
-            del exc
-        self.cleanup()
+        harness.run_phase(row, phase, body, self.cleanup)
 
     def _run_jax(self, case, row):
         jax = self.jax

@@ -260,17 +260,11 @@ def spawn(world: int, out_dir: str) -> list[str]:
     """Run `worker` on `world` spawned gloo ranks; return all failures."""
     import torch.multiprocessing as mp
 
-    from _bridge_spawn import free_port
+    from _bridge_spawn import free_port, rank_results
 
     mp.spawn(worker, args=(world, free_port(), out_dir), nprocs=world, join=True)
-    failures = []
-    for rank in range(world):
-        path = os.path.join(out_dir, f"rank{rank}.json")
-        if not os.path.exists(path):
-            failures.append(f"rank {rank} wrote no result")
-            continue
-        with open(path) as fh:
-            result = json.load(fh)
+    failures, results = rank_results(world, out_dir)
+    for rank, result in results.items():
         failures += result["failures"]
         print(f"rank {rank} timings (s): {result['timings_s']}")
     return failures

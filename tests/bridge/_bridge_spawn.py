@@ -229,12 +229,21 @@ def spawn(world: int, out_dir: str, backend: str = "gloo", full: bool = True) ->
 
     mp.spawn(worker, args=(world, free_port(), out_dir, backend, full), nprocs=world,
              join=True)
-    failures = []
+    failures, results = rank_results(world, out_dir)
+    for result in results.values():
+        failures += result["failures"]
+    return failures
+
+
+def rank_results(world: int, out_dir: str) -> tuple[list[str], dict]:
+    """The ranks' result files (`out_dir/rank<r>.json`): a failure for each rank that
+    wrote none, and {rank: its result} for the others."""
+    failures, results = [], {}
     for rank in range(world):
         path = os.path.join(out_dir, f"rank{rank}.json")
         if not os.path.exists(path):
             failures.append(f"rank {rank} wrote no result")
             continue
         with open(path) as fh:
-            failures += json.load(fh)["failures"]
-    return failures
+            results[rank] = json.load(fh)
+    return failures, results

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from jaxops.backends.mosaic.config import MosaicConfig
 
+from _logprob_cases import assert_gradient_within_roundings, target_alone_inputs
 from _mosaic_cases import BF16, F32
 from _mosaic_cases import inputs as mosaic_inputs  # logits, targets, a keep mask
 from _oracle import assert_op_close, reference64
@@ -76,6 +77,23 @@ def test_direct_kernels_match_float64(case):
                                       zeros if g_h is None else g_h, temperature=tau)
     assert_op_close(logits, tau, (log_prob, entropy, grad), (lp64, ent64, grad64),
                     with_entropy)
+
+
+@needs_input_stores
+def test_target_alone_has_zero_log_prob_gradient():
+    """Rows whose mask keeps nothing, so that the kept set is the target alone
+    (`combine.combine`'s point mass): log_prob 0 and its gradient 0 to a few roundings of
+    |g_lp| / tau, as the route through JAX gives (test_logprob_masks.py). The finish
+    kernel saves `valid` 0 where the kept sum is exactly 1; before, ~|x| 2^-24 of the
+    coefficient was left."""
+    logits, targets, keep_mask = target_alone_inputs(24, 1040)
+    targets = targets.astype(jnp.int32)
+    kw = dict(inv_tau=1 / 0.3, with_entropy=False, config=INTERPRET)
+    log_prob, _, saved = direct_rows.logprob_entropy_rows(logits, targets, keep_mask, **kw)
+    assert np.abs(np.asarray(log_prob)).max() <= 1e-5 * 160
+    g_lp = jax.random.normal(jax.random.key(5), targets.shape)
+    grad = direct_rows.logits_grad_rows(logits, targets, keep_mask, saved, g_lp, None, **kw)
+    assert_gradient_within_roundings(grad, g_lp)
 
 
 @needs_input_stores

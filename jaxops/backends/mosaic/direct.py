@@ -35,7 +35,8 @@ and d entropy enter linearly), so the backward needs no other statistics:
     coef_masked  = g_lp * delta                  delta = -w_m [valid] / S_m  (mask)
 
 with S, A the row's sum of exp(x - m) and of exp(x - m)(x - m), S_m the masked sum,
-w = [the row has a finite logit], w_m = [it keeps one], as in `combine.py`.
+w = [the row has a finite logit], w_m = [it keeps one], as in `combine.py`; with a mask,
+[valid] is 0 where the kept set is the target alone (`combine.combine`'s point mass).
 
 O(T) operands are separate 1-D arrays (a [K, b] array's rows would need b * 4 to be a
 multiple of 16 bytes for TMA); outputs are `padded` = 64 * ceil(b / 64) long.
@@ -236,7 +237,11 @@ def _finish_rows(parts, target, *, chunks, num_vocab, inv_tau, with_entropy, mas
         masked_sum = masked_weight * jnp.where(none_kept, 0.0, kept_total)
         normaliser = masked_max + jnp.log(masked_sum)
         saved["masked_neg_ref"] = neg_reference(jnp.where(none_kept, 0.0, masked_max))
-        saved["delta"] = masked_weight * (-valid_f / masked_sum)
+        # As `combine.combine`: where the kept set is the target alone (to fp32), log_prob
+        # is 0 for all nearby logits and has no gradient.
+        point_mass = (target_x == masked_max) & (masked_sum == 1.0)
+        saved["valid"] = jnp.where(point_mass, 0.0, valid_f)
+        saved["delta"] = masked_weight * (-saved["valid"] / masked_sum)
     else:
         normaliser = max_x + log_sum_exp
         saved["alpha"] = weight * (-valid_f / total_sum)

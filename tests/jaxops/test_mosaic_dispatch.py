@@ -11,9 +11,10 @@ import numpy as np
 import pytest
 
 import jaxops
-from jaxops.backends import registry
+from jaxops.backends import registry, xla
 from jaxops.backends.mosaic.config import MosaicConfig
 from jaxops.backends.triton.config import PallasConfig
+from jaxops.contract import BackwardCoefs
 
 from _mosaic_cases import mosaic_kernels  # skips this module without Mosaic GPU
 
@@ -147,3 +148,27 @@ def test_mosaic_refuses_gpus_before_hopper(monkeypatch):
         assert registry.resolve("pallas_mosaic", "gpu")[0] == "pallas_mosaic"
     finally:
         cached.cache_clear()
+
+
+@pytest.mark.parametrize("num_vocab, dtype, masked", [
+    (1000, jnp.bfloat16, True), (1000, jnp.bfloat16, False), (1004, jnp.float32, False)])
+def test_compiled_kernels_name_the_vocabularies_they_do_not_take(num_vocab, dtype, masked):
+    """Called directly (not through the registry, which sends such calls to XLA), the
+    compiled kernels refuse a V_loc TMA cannot tile with a ValueError that says so,
+    before any lowering; interpret mode takes it."""
+    logits = jnp.zeros((8, num_vocab), dtype)
+    targets = jnp.zeros((8,), jnp.int32)
+    mask = jnp.ones((8, num_vocab), jnp.uint8) if masked else None
+    with pytest.raises(ValueError, match=f"V_loc = {num_vocab}.*registry"):
+        mosaic_kernels.forward_stats(logits, targets, mask, inv_tau=1.0, with_entropy=True)
+    stats = xla.forward_stats(logits, targets, None if mask is None else mask > 0,
+                              inv_tau=1.0, with_entropy=True)
+    ones = jnp.ones((8,), jnp.float32)
+    with pytest.raises(ValueError, match=f"V_loc = {num_vocab}.*registry"):
+        mosaic_kernels.backward_logits(
+            logits, targets, mask, stats.max_logit, stats.masked_max,
+            BackwardCoefs(ones, ones, ones, ones if masked else None), inv_tau=1.0)
+    interpret = MosaicConfig(interpret=True)
+    got = mosaic_kernels.forward_stats(logits, targets, mask, inv_tau=1.0,
+                                       with_entropy=True, config=interpret)
+    np.testing.assert_allclose(got.sum_exp, stats.sum_exp, rtol=1e-6)

@@ -21,7 +21,8 @@ from jaxops.backends.mosaic.common import (EXCLUDED, LN2, LOG2E, ROWS, SHARED_EX
                                            row_vector, rows_layout, target_smem,
                                            tile_transforms, to_layout, vocab_chunks,
                                            write_tile)
-from jaxops.backends.mosaic.config import MosaicConfig, mosaic_defaults, mosaic_supported
+from jaxops.backends.mosaic.config import (MosaicConfig, check_supported, mosaic_defaults,
+                                           mosaic_supported)
 from jaxops.contract import NEG, BackwardCoefs, vary_like, varying_struct
 
 # Whether `can_write_into` offers `backward_logits(into=)` to callers (the bridge's route
@@ -246,6 +247,7 @@ def _backward_logits(logits, local_targets, keep_mask, max_logit, masked_max,
     itemsize = logits.dtype.itemsize
     config = mosaic_defaults(config or MosaicConfig(), itemsize=itemsize, masked=masked,
                              backward=True)
+    check_supported(num_vocab, itemsize, masked, config)
     inv_tau = float(inv_tau)
     entropy = coefs.coef_shifted is not None
     _, chunks, per_chunk = vocab_chunks(num_vocab, config.block_v, config.chunk_v)

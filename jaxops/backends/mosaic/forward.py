@@ -55,7 +55,7 @@ from jaxops.backends.mosaic.common import (EXCLUDED, LN2, LOG2E, ROWS, SHARED_EX
                                            operand_tiles, per_col, read_targets,
                                            row_vector, target_smem, to_layout,
                                            vocab_chunks, write_tile)
-from jaxops.backends.mosaic.config import MosaicConfig, mosaic_defaults
+from jaxops.backends.mosaic.config import MosaicConfig, check_supported, mosaic_defaults
 from jaxops.contract import NEG, LocalStats, vary_like, varying_struct
 
 # --- forward -----------------------------------------------------------------------------
@@ -278,6 +278,7 @@ def forward_stats(logits, local_targets, keep_mask, *, inv_tau, with_entropy,
     itemsize = logits.dtype.itemsize
     config = mosaic_defaults(config or MosaicConfig(), itemsize=itemsize, masked=masked,
                              backward=False)
+    check_supported(num_vocab, itemsize, masked, config)
     inv_tau = float(inv_tau)
     _, chunks, _ = vocab_chunks(num_vocab, config.block_v, config.chunk_v)
     row_blocks = pl.cdiv(num_tokens, ROWS)

@@ -33,7 +33,11 @@ if ls .whl/megatron_core-*.whl > /dev/null 2>&1; then
 else
     echo "no .whl/megatron_core-*.whl: the Megatron parity tests will fail" >&2
 fi
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# EXTRA_SITE=DIR (optional): packages in front of the image's, e.g. another JAX carried in
+# with benchmarks/tools/wheel_parts.sh.
+export PYTHONPATH=${EXTRA_SITE:+$EXTRA_SITE:}/tmp/site:$PWD PYTHONUNBUFFERED=1 \
+    XLA_PYTHON_CLIENT_PREALLOCATE=false
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())" 2>&1 | tail -n 1
 PARALLEL=()
 if [ -n "${JOBS:-}" ]; then
     PARALLEL=(-n "$JOBS")

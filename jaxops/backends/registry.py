@@ -25,7 +25,7 @@ import importlib
 import warnings
 from types import ModuleType
 
-from jaxops.backends.mosaic.config import MosaicConfig, mosaic_supported
+from jaxops.backends.mosaic.config import MosaicConfig, mosaic_supported, supported_vocab
 from jaxops.backends.triton.config import PallasConfig
 
 # The backends' names, defined here only.
@@ -269,9 +269,9 @@ def fallback_reason(implementation: str, logits, keep_mask, config) -> str | Non
         if num_tokens == 0:
             return ""
         if not mosaic_supported(num_vocab, logits.dtype.itemsize, keep_mask is not None):
+            rule = supported_vocab(logits.dtype.itemsize, keep_mask is not None)
             return (f"pallas_mosaic: logits [{num_tokens}, {num_vocab}] {logits.dtype}: V_loc "
-                    "must be a multiple of 32 bytes of logits (and, with a keep mask, of 16) "
-                    "for the TMA tiles; computing this call with the XLA implementation "
+                    f"must be {rule}; computing this call with the XLA implementation "
                     "instead.")
     elif implementation in (PALLAS, TRITON):
         from jaxops.backends.triton import common

@@ -78,12 +78,17 @@ def mosaic_supported(num_vocab: int, itemsize: int, masked: bool) -> bool:
     return num_vocab % (32 // itemsize) == 0 and (not masked or num_vocab % 16 == 0)
 
 
+def supported_vocab(itemsize: int, masked: bool) -> str:
+    """`mosaic_supported`'s rule in words, for the messages of calls it refuses."""
+    return (f"a multiple of {32 // itemsize} for {itemsize}-byte logits"
+            + (" and of 16 with a keep mask" if masked else "") + " (TMA tiles)")
+
+
 def check_supported(num_vocab: int, itemsize: int, masked: bool, config: MosaicConfig):
     """A clear ValueError where the compiled kernels cannot take V_loc (the registry
     sends those calls to the XLA backend; `interpret` mode takes any V_loc)."""
     if not config.interpret and not mosaic_supported(num_vocab, itemsize, masked):
         raise ValueError(
-            f"the Mosaic GPU kernels take V_loc a multiple of {32 // itemsize} for "
-            f"{itemsize}-byte logits" + (" and of 16 with a keep mask" if masked else "")
-            + f" (TMA tiles), got V_loc = {num_vocab}; call them through "
-            "`registry.kernels('pallas_mosaic')`, which computes such calls with XLA")
+            f"the Mosaic GPU kernels take V_loc {supported_vocab(itemsize, masked)}, got "
+            f"V_loc = {num_vocab}; call them through `registry.kernels('pallas_mosaic')`, "
+            "which computes such calls with XLA")

@@ -127,22 +127,25 @@ def test_filters_select_cases():
 
 
 def test_docs_tables_are_the_committed_json():
-    """report.py renders the committed H200 JSON to exactly docs/performance.md's tables
-    and the README's short table (links relative to each file's folder)."""
-    json_path = os.path.join(BENCH_DIR, "results", "h200.json")
-    png_path = os.path.join(BENCH_DIR, "results", "h200.png")
-    results = tables.load(json_path)
+    """report.py renders the committed JSONs to exactly the docs' tables: the H200 run to
+    docs/performance.md's full tables, the H100 run (issue 34: the README's table from a
+    committed H100 run) to the README's short table (links relative to each file's folder)."""
     docs = os.path.join(REPO, "docs")
+    h200 = os.path.join(BENCH_DIR, "results", "h200.json")
+    md = report.markdown(tables.load(h200), h200, os.path.join(BENCH_DIR, "results", "h200.png"),
+                         base=docs)
     with open(os.path.join(docs, "performance.md")) as f:
         performance = f.read()
-    md = report.markdown(results, json_path, png_path, base=docs)
     assert report.START + "\n" + md + report.END in performance
     assert "](../benchmarks/results/h200.json)" in md
+    h100 = os.path.join(BENCH_DIR, "results", "h100.json")
+    results = tables.load(h100)
     with open(os.path.join(REPO, "README.md")) as f:
         readme = f.read()
-    summary = report.summary_md(results, json_path)
+    summary = report.summary_md(results, h100)
     assert report.SUMMARY_START + "\n" + summary + report.SUMMARY_END in readme
-    assert "](benchmarks/results/h200.json)" in summary and "H200" in summary
+    assert "](benchmarks/results/h100.json)" in summary and "H100" in summary
+    assert results["git"]["commit"] and not results["git"]["dirty"]
     assert report.START not in readme  # the full tables live in docs/performance.md
 
 

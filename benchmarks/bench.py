@@ -40,7 +40,8 @@ log-prob-only and bf16 with entropy at T = 32768, 1024 and V_loc (112 cases: the
 --budget-s guard that starts no case after 450 s); --tiny = CPU smoke run (each Pallas
 row once, in interpret mode).
 The sizes run in priority order and the JSON is rewritten after every case, so a timeout
-still leaves every finished row. --budget-s S: no case starts once S seconds have passed
+still leaves every finished row. On a GPU each size runs in a process of its own
+(--process-per-size; size_processes.py says why: XLA's memory pool never shrinks). --budget-s S: no case starts once S seconds have passed
 (S = 0: none starts, every row says "skipped: time budget"); --budget-s none: no budget.
 
 The cases are in cases.py, the implementations in impls.py, the measurement rules (also
@@ -117,6 +118,9 @@ def build_parser():
         help="add to an existing --out file of the same device (rows measured again replace "
              "the old ones, a case skipped in this run keeps its earlier measured row; each "
              "row records its run)")
+    add("--process-per-size", choices=("auto", "on", "off"), default="auto",
+        help="run each (T, V) size in a fresh process, so that every size starts on empty "
+             "memory pools (size_processes.py; auto: on with a CUDA GPU and several sizes)")
     add("--dry-run", action="store_true", help="list the cases and exit")
     return parser
 
@@ -149,6 +153,15 @@ def main(argv=None):
             print(case)
         print(f"{len(cases)} cases ({mode})")
         return 0
+    from benchmarks import size_processes  # before torch and JAX touch the GPU
+    planned = "tiny" if args.tiny else ("quick" if args.quick else "full")
+    if size_processes.wanted(args.process_per_size, build_cases(planned, filters), planned):
+        if args.budget_s is None:
+            args.budget_s = MODE_DEFAULTS[planned][3]
+        elif math.isinf(args.budget_s):
+            args.budget_s = None
+        return size_processes.run(sys.argv[1:] if argv is None else argv, args,
+                                  build_cases(planned, filters), planned)
     t_start = time.perf_counter()
     import torch
     import jax

@@ -181,3 +181,49 @@ def test_append_keeps_measured_rows_over_skipped_ones(tiny_results, tmp_path):
     for k in after:
         if k[0] != "jaxops-xla":
             assert after[k] == before[k], k
+
+
+def test_sizes_run_in_priority_order_without_the_gpu():
+    """--process-per-size: the headline size first although `build_cases` puts the big
+    torch rows of T = 32,768 at the front; the children's argv drops the parent's budget,
+    --append and the setting itself (whatever their spelling)."""
+    from benchmarks import size_processes
+
+    quick = cases.build_cases("quick", {})
+    assert (quick[0].T, quick[0].V) == (32768, cases.V_FULL)
+    assert size_processes.sizes(quick, "quick")[0] == (cases.MAIN_T, cases.MAIN_V)
+    assert len(size_processes.sizes(quick, "quick")) == 4
+    assert not size_processes.wanted("on", cases.build_cases("quick", {"T": ["1024"]}), "quick")
+    assert not size_processes.wanted("off", quick, "quick")
+    assert size_processes.without_options(
+        ["--quick", "--budget-s", "400", "--append", "--process-per-size=on", "--out", "x"],
+        {"--budget-s", "--append", "--process-per-size"}) == ["--quick", "--out", "x"]
+
+
+@pytest.mark.slow
+def test_process_per_size_writes_one_file(tmp_path):
+    """Every size in a process of its own (what a GPU run does by default), on CPU: one
+    JSON with every case's row, one run per size, and a spent budget reaching the children."""
+    if not module_available("torch"):
+        pytest.skip("bench.py compares against PyTorch, which is not installed")
+    out = tmp_path / "sizes.json"
+    common = ("-m", "benchmarks.bench", "--tiny", "--process-per-size", "on", "--filter",
+              "impl=jaxops-xla", "--device-name", "cpu-test", "--out", str(out))
+    stdout = run_python(*common)
+    assert "size 3 of 3" in stdout
+    results = json.loads(out.read_text())
+    expected = {c.key for c in cases.build_cases("tiny", {"impl": ["jaxops-xla"]})}
+    rows = {(r["impl"], r["dtype"], r["T"], r["V"], r["entropy"], r["mask"]): r
+            for r in results["rows"]}
+    assert set(rows) == expected and len(results["rows"]) == len(expected)
+    assert len(results["runs"]) == 3 and results["complete"] is True
+    runs_by_size = {}
+    for r in results["rows"]:
+        assert r["status"] == "ok", r
+        runs_by_size.setdefault((r["T"], r["V"]), set()).add(r["run"])
+    assert sorted(min(v) for v in runs_by_size.values()) == [0, 1, 2]
+    assert all(len(v) == 1 for v in runs_by_size.values())
+    stdout = run_python(*common, "--budget-s", "0")
+    skipped = json.loads(out.read_text())["rows"]
+    assert len(skipped) == len(expected)
+    assert all(r["status"].startswith("skipped: time budget") for r in skipped)

@@ -9,8 +9,10 @@
 #     bash benchmarks/gpu_tests.sh c   # the bridge's direct route ~370 s (incl. 4 batch-
 #                                      # invariance tests at T = 8192, ~60 s each), and the
 #                                      # PPO example (50 steps against float64 and Megatron)
-#     bash benchmarks/gpu_tests.sh d   # the default's promise across entry points (past
-#                                      # 300 s with JOBS=4 on an H100: a call of its own)
+#     bash benchmarks/gpu_tests.sh d1  # the default's promise across entry points, batches
+#     bash benchmarks/gpu_tests.sh d2  # 1, 7, 100 (d1) and 1000, 8191, 8192 (d2), each
+#                                      # against T = 8193: past 370 s with JOBS=4 on an H100
+#                                      # all in one, so a call each (d: both, one after the other)
 #     bash benchmarks/gpu_tests.sh b d # several groups, one after the other
 # JOBS=N (optional; needs pytest-xdist, which the device image has): N test processes share
 # the one GPU, with XLA_PYTHON_CLIENT_ALLOCATOR=platform so that each test's memory goes back
@@ -45,7 +47,7 @@ if [ -n "${JOBS:-}" ]; then
 fi
 run() {  # run SECONDS FILE [FILE ...] [pytest args...]
     local limit=$1 file=$2; shift 2
-    local log="$OUT/$(basename "$file" .py).log" t0=$(date +%s) more=0 arg
+    local log="$OUT/$(basename "$file" .py)${LOG_SUFFIX:-}.log" t0=$(date +%s) more=0 arg
     for arg in "$@"; do [[ $arg == *.py ]] && more=$((more + 1)); done
     timeout "$limit" python3 -m pytest -q -p no:cacheprovider -p no:warnings -rfs \
         --durations=5 ${PARALLEL[@]+"${PARALLEL[@]}"} "$file" "$@" > "$log" 2>&1
@@ -64,7 +66,7 @@ example() {  # example SECONDS SCRIPT [args...]
 LOGPROB=(tests/jaxops/test_logprob_{entropy,tiles,masks,extremes,bad_calls,staged}.py)
 MOSAIC=(tests/jaxops/test_mosaic{,_dispatch,_lowering,_gpu}.py)
 LINEAR_HEAD=(tests/jaxops/test_linear_head{,_fused,_lowering}.py)
-[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu_tests.sh a|b|c|d [more groups]" >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: bash benchmarks/gpu_tests.sh a|b|c|d|d1|d2 [more groups]" >&2; exit 2; }
 for group in "$@"; do
 case "$group" in
     a)
@@ -85,11 +87,15 @@ case "$group" in
         run 420 tests/bridge/test_bridge_direct.py
         example 120 examples/torch_ppo_loop.py --device cuda
         ;;
-    d)
-        run 560 tests/bridge/test_default_batch_invariance.py -m gpu
+    d|d1|d2)
+        # The same rows of a batch of 8193 are the reference in both halves.
+        [ "$group" = d2 ] || JAXOPS_PROMISE_T=1,7,100,8193 LOG_SUFFIX=_d1 \
+            run 560 tests/bridge/test_default_batch_invariance.py -m gpu
+        [ "$group" = d1 ] || JAXOPS_PROMISE_T=1000,8191,8192,8193 LOG_SUFFIX=_d2 \
+            run 560 tests/bridge/test_default_batch_invariance.py -m gpu
         ;;
     *)
-        echo "usage: bash benchmarks/gpu_tests.sh a|b|c|d [more groups]" >&2
+        echo "usage: bash benchmarks/gpu_tests.sh a|b|c|d|d1|d2 [more groups]" >&2
         exit 2
         ;;
 esac

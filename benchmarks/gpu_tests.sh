@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU test of the project on one GPU, in four device calls of under 10 minutes each
+# Every GPU test of the project on one GPU, in five device calls of under 10 minutes each
 # (the device machine's limit per command). Measured on the H200, per file:
 #     bash benchmarks/gpu_tests.sh a   # bridge with Megatron 150 s, batch invariance 245 s,
 #                                      # large sizes 15 s, fused head's bridge 15 s, the

@@ -144,14 +144,9 @@ def assert_matches_reference(logits, targets, keep_mask, temperature, log_prob, 
     assert_values_close("log_prob", log_prob, lp64, bound)
     if with_entropy:
         assert_values_close("entropy", entropy, h64, bound)
-    # The gradient's natural size. Where a row's softmax is a point mass at the target the
-    # exact gradient is ~0, while fp32 leaves |x / tau| ulp of it (p = exp(x_t - lse) with
-    # lse rounded): rtol (which grows with |x / tau|) times this scale, not times ||g64||.
-    # Hypothesis found such a row: V = 7, logits N(0, 10^2), tau = 0.3, ||g64|| = 2e-8,
-    # max |g - g64| = 8.6e-6 against a cotangent scale of ~2.
     cotangent_scale = float(np.linalg.norm(g_log_prob) + np.linalg.norm(g_entropy))
     cotangent_scale /= temperature
-    assert_grad_close(grad, grad64, logits.dtype, floor=cotangent_scale,
+    assert_grad_close(grad, grad64, logits.dtype, floor=0.1 * cotangent_scale,
                       max_abs_x=largest_abs_x(logits, temperature))
     return grad64
 

@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from jax.test_util import check_grads
 
@@ -36,10 +36,11 @@ import jaxops
 
 from _logprob_cases import (
     BASE_LEAD, BASE_TAU, BASE_V, BF16, DTYPES, F16, F32, FAST, FLAG_IDS, FLAGS,
-    IMPLEMENTATIONS, MASK_KINDS, ON_GPU, assert_matches_reference, check_against_reference,
+    IMPLEMENTATIONS, JAX_VERSION, MASK_KINDS, ON_GPU, assert_matches_reference,
+    check_against_reference,
     dtype_id, make_inputs, op_with_vjp, op_with_vjp_jit, random_cotangents,
 )
-from _oracle import to_float64
+from _oracle import X_RANGE, largest_abs_x, to_float64
 
 
 # ------------------------------------------------------------- shapes, dtypes, flags
@@ -122,6 +123,14 @@ def test_random_calls(implementation, call):
     logits, targets, keep_mask = make_inputs(
         call["seed"], call["lead"], call["num_vocab"], call["dtype"], mask=call["mask"],
         scale=call["scale"], targets_dtype=call["targets_dtype"])
+    # Known, open, and pinned by test_logprob_masks.py's
+    # test_peaked_row_entropy_gradient_far_outside_the_range_pallas: outside the design
+    # range (|x / tau| > 30) the Triton kernels' d rounds ~|x| 2^-24 away from 0 at the row
+    # maximum, which a peaked row's gradient (norm ~1e-8) shows at jax 0.10's CPU
+    # arithmetic (hypothesis found V = 7, logits N(0, 10^2), tau = 0.3, |x / tau| = 43:
+    # 8.6e-6 off). The other implementations, and other JAX versions, keep those draws.
+    assume(not (implementation == "pallas" and not ON_GPU and JAX_VERSION < (0, 11)
+                and largest_abs_x(logits, call["temperature"]) > X_RANGE))
     check_against_reference(
         logits, targets, keep_mask=keep_mask, temperature=call["temperature"],
         with_entropy=call["with_entropy"], entropy_grad=call["entropy_grad"],

@@ -139,6 +139,14 @@ def raise_compile_cache_limits():
     return None
 
 
+def resolved_budget(budget_s, mode):
+    """--budget-s as seconds, or None for no budget: unset takes the mode's default,
+    'none' (parsed as infinity) means none."""
+    if budget_s is None:
+        return MODE_DEFAULTS[mode][3]
+    return None if math.isinf(budget_s) else budget_s
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     # Environment before JAX starts (runner.py's doc): share the GPU with PyTorch.
@@ -155,13 +163,11 @@ def main(argv=None):
         return 0
     from benchmarks import size_processes  # before torch and JAX touch the GPU
     planned = "tiny" if args.tiny else ("quick" if args.quick else "full")
-    if size_processes.wanted(args.process_per_size, build_cases(planned, filters), planned):
-        if args.budget_s is None:
-            args.budget_s = MODE_DEFAULTS[planned][3]
-        elif math.isinf(args.budget_s):
-            args.budget_s = None
+    planned_cases = build_cases(planned, filters)
+    if size_processes.wanted(args.process_per_size, planned_cases, planned):
+        args.budget_s = resolved_budget(args.budget_s, planned)
         return size_processes.run(sys.argv[1:] if argv is None else argv, args,
-                                  build_cases(planned, filters), planned)
+                                  planned_cases, planned)
     t_start = time.perf_counter()
     import torch
     import jax
@@ -177,10 +183,7 @@ def main(argv=None):
     args.reps = args.reps or defaults[0]
     args.target_ms = args.target_ms or defaults[1]
     args.max_calls = args.max_calls or defaults[2]
-    if args.budget_s is None:
-        args.budget_s = defaults[3]
-    elif math.isinf(args.budget_s):  # --budget-s none
-        args.budget_s = None
+    args.budget_s = resolved_budget(args.budget_s, mode)
     args.pallas_config = (harness.pallas_config(args.pallas_config)
                           if args.pallas_config.strip(" ,") else None)
     args.mosaic_config = (harness.mosaic_config(args.mosaic_config)

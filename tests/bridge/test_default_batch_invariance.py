@@ -47,7 +47,9 @@ def _inputs(num_tokens, num_vocab, dtype, masked, seed=0):
 
 
 def _jax_entry(kind, implementation, with_entropy):
-    """fn(logits, targets, mask, g_lp, g_h) -> (log_prob, entropy or None, grad) as numpy."""
+    """fn(logits, targets, mask, g_lp, g_h, positions) -> (log_prob, entropy or None,
+    grad) as numpy, for the rows at `positions` only (picked on the device: a whole
+    [T, V] gradient copied to the host cost the GPU test most of its time)."""
 
     def value_and_grad(x, t, m, g_lp, g_h, axis_name=None):
         def f(z):
@@ -82,18 +84,21 @@ def _jax_entry(kind, implementation, with_entropy):
     else:
         raise ValueError(kind)
 
-    def run(x, t, m, g_lp, g_h):
+    def run(x, t, m, g_lp, g_h, positions):
         out = fn(x, jnp.asarray(t), None if m is None else jnp.asarray(m),
                  jnp.asarray(g_lp), jnp.asarray(g_h))
-        return [None if o is None else np.asarray(jnp.asarray(o, jnp.float32)) for o in out]
+        picked = jnp.asarray(positions)
+        return [None if o is None else np.asarray(jnp.asarray(o[picked], jnp.float32))
+                for o in out]
 
     return run
 
 
 def _torch_entry(kind, implementation, with_entropy, device):
-    def run(x, t, m, g_lp, g_h):
-        xs = torch.tensor(np.asarray(jnp.asarray(x, jnp.float32)), device=device)
-        xs = xs.to(torch.bfloat16 if x.dtype == jnp.bfloat16 else torch.float32)
+    """As `_jax_entry`; the logits reach torch through DLPack, on their device."""
+    def run(x, t, m, g_lp, g_h, positions):
+        xs = torch.from_dlpack(x)
+        assert xs.device == device
         xs.requires_grad_()
         ts = torch.from_numpy(np.asarray(t, np.int64)).to(device)
         ms = None if m is None else torch.from_numpy(np.asarray(m)).to(device).clone()
@@ -109,7 +114,9 @@ def _torch_entry(kind, implementation, with_entropy, device):
         cots = [torch.from_numpy(g_lp).to(device)]
         cots += [torch.from_numpy(g_h).to(device)] if with_entropy else []
         (grad,) = torch.autograd.grad(outs, xs, cots)
-        to_np = lambda a: None if a is None else a.detach().float().cpu().numpy()  # noqa: E731
+        picked = torch.from_numpy(np.asarray(positions)).to(device)
+        to_np = lambda a: (None if a is None  # noqa: E731
+                           else a.detach()[picked].float().cpu().numpy())
         return to_np(lp), to_np(h), to_np(grad)
 
     return run
@@ -118,7 +125,8 @@ def _torch_entry(kind, implementation, with_entropy, device):
 def check_promise(entries, num_tokens, num_vocab, dtype, masked, with_entropy, batches,
                   rows):
     inputs = _inputs(num_tokens, num_vocab, dtype, masked)
-    reference = entries["jit"](*inputs)
+    rows = np.asarray(rows)
+    reference = entries["jit"](*inputs, rows)  # the rows under test, in their order
     rng = np.random.default_rng(1)
 
     def take(idx):
@@ -131,16 +139,16 @@ def check_promise(entries, num_tokens, num_vocab, dtype, masked, with_entropy, b
         others = np.setdiff1d(np.arange(num_tokens), chosen)
         idx = np.concatenate([chosen, rng.choice(others, size - len(chosen), replace=False)])
         idx = rng.permutation(idx)
+        positions = np.array([int(np.nonzero(idx == row)[0][0]) for row in chosen])
         for name, entry in entries.items():
-            got = entry(*take(idx))
-            for row in chosen:
-                pos = int(np.nonzero(idx == row)[0][0])
-                for what, a, b in zip(("log_prob", "entropy", "grad"), got, reference):
-                    if b is None:
-                        assert a is None
-                        continue
+            got = entry(*take(idx), positions)
+            for what, a, b in zip(("log_prob", "entropy", "grad"), got, reference):
+                if b is None:
+                    assert a is None
+                    continue
+                for k, row in enumerate(chosen):
                     np.testing.assert_array_equal(
-                        a[pos], b[row],
+                        a[k], b[k],
                         err_msg=f"{what}: row {row} through {name} in a batch of {size}")
 
 
@@ -198,7 +206,8 @@ def test_gpu_torch_compile_runs_the_same_bits():
         pytest.skip("needs a CUDA GPU")
     cuda = torch.device("cuda", 0)
     logits, targets, _, g_lp, g_h = _inputs(1001, 151936, jnp.bfloat16, False)
-    want = _torch_entry("bridge", None, True, cuda)(logits, targets, None, g_lp, g_h)
+    want = _torch_entry("bridge", None, True, cuda)(logits, targets, None, g_lp, g_h,
+                                                    np.arange(1001))
 
     compiled = torch.compile(lambda x, t: bridge.logprob_entropy(x, t, temperature=TAU),
                              fullgraph=True)

@@ -48,8 +48,8 @@ def _inputs(num_tokens, num_vocab, dtype, masked, seed=0):
 
 def _jax_entry(kind, implementation, with_entropy):
     """fn(logits, targets, mask, g_lp, g_h, positions) -> (log_prob, entropy or None,
-    grad) as numpy, for the rows at `positions` only (picked on the device: a whole
-    [T, V] gradient copied to the host cost the GPU test most of its time)."""
+    grad) as numpy, for the rows at `positions` only, picked on the device (no whole
+    [T, V] gradient goes to the host)."""
 
     def value_and_grad(x, t, m, g_lp, g_h, axis_name=None):
         def f(z):

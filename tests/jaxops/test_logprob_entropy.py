@@ -37,8 +37,8 @@ import jaxops
 from _logprob_cases import (
     BASE_LEAD, BASE_TAU, BASE_V, BF16, DTYPES, F16, F32, FAST, FLAG_IDS, FLAGS,
     IMPLEMENTATIONS, JAX_VERSION, MASK_KINDS, ON_GPU, assert_matches_reference,
-    check_against_reference,
-    dtype_id, make_inputs, op_with_vjp, op_with_vjp_jit, random_cotangents,
+    check_against_reference, dtype_id, make_inputs, op_with_vjp, op_with_vjp_jit,
+    random_cotangents,
 )
 from _oracle import X_RANGE, largest_abs_x, to_float64
 
